@@ -1,0 +1,42 @@
+"""async_array: futures for JAX arrays.
+
+Wrap a slow function (a loader fetching weights over a network, say) whose
+result's shapes and dtypes you know: ``async_wrap`` returns ``AsyncArray``
+leaves at once, ``jax.jit`` compiles the computation that uses them while the
+function still runs, and only reading a value waits.
+"""
+
+from . import _core
+from ._array import AsyncArray
+from ._buffer import empty
+from ._core import HostBuffer
+from ._pool import configure, max_workers
+from ._tree import (
+    ALL_COMPLETED,
+    FIRST_COMPLETED,
+    FIRST_EXCEPTION,
+    DoneAndNotDone,
+    as_completed,
+    materialize,
+    wait,
+)
+from ._wrap import async_wrap
+
+__version__ = _core.__version__
+
+__all__ = [
+    "ALL_COMPLETED",
+    "FIRST_COMPLETED",
+    "FIRST_EXCEPTION",
+    "AsyncArray",
+    "DoneAndNotDone",
+    "HostBuffer",
+    "__version__",
+    "as_completed",
+    "async_wrap",
+    "configure",
+    "empty",
+    "materialize",
+    "max_workers",
+    "wait",
+]

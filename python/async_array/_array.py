@@ -1,0 +1,482 @@
+"""``AsyncArray``: a ``jax.Array`` whose value arrives later."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import logging
+import math
+from collections.abc import Callable, Generator, Sequence
+from types import TracebackType
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _core, _jax_hooks
+
+_LOG = logging.getLogger("async_array")
+
+
+class Source:
+    """One task's output shared by its leaves (an ``async_wrap`` call, one
+    ``aa.jit`` dispatch, ...). The task's future holds a list with one entry
+    per leaf: a ``jax.Array``, or the exception that leaf alone failed with.
+    If the task itself raised, every leaf raises that exception.
+
+    Args:
+      future: the ``_core.Future`` of the task.
+      name: how messages name the call, e.g. ``"async_wrap(load_weights)"``.
+      leaf_count: number of leaves.
+      key_path: ``key_path(i)`` is leaf ``i``'s key path as text; called only
+        to build a message.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "future",
+        "key_path",
+        "leaf_count",
+        "leaf_errors",
+        "name",
+        "retrieved",
+    )
+
+    def __init__(
+        self,
+        future: _core.Future,
+        name: str,
+        leaf_count: int,
+        key_path: Callable[[int], str],
+    ) -> None:
+        self.future = future
+        self.name = name
+        self.leaf_count = leaf_count
+        self.key_path = key_path
+        self.retrieved = False
+        self.leaf_errors: dict[int, tuple[BaseException, TracebackType | None]] | None = None
+
+    def where(self, index: int) -> str:
+        path = self.key_path(index)
+        return f"{self.name} leaf {path}" if path else f"{self.name} result"
+
+    def error(self, index: int) -> tuple[BaseException, TracebackType | None] | None:
+        """Leaf ``index``'s exception and the traceback to raise it with, or
+        None; the future must be done. Raising with that traceback each time
+        keeps it from growing with repeated uses."""
+        fut = self.future
+        if fut.cancelled():
+            return (
+                concurrent.futures.CancelledError(f"{self.where(index)}: cancelled before it ran"),
+                None,
+            )
+        exc = fut.exception(0)
+        if exc is not None:
+            return self._leaf_copy(index, exc)
+        value = fut.result(0)[index]
+        return (value, None) if isinstance(value, BaseException) else None
+
+    def _leaf_copy(
+        self, index: int, exc: BaseException
+    ) -> tuple[BaseException, TracebackType | None]:
+        """``exc`` with a note naming the leaf: the same object for a single
+        leaf, a shallow copy (same type, args, traceback, cause) for each leaf
+        of a tree, so notes of different leaves never mix."""
+        errors = self.leaf_errors
+        if errors is None:
+            errors = self.leaf_errors = {}
+        found = errors.get(index)
+        if found is None:
+            leaf_exc = exc if self.leaf_count == 1 else _shallow_copy(exc)
+            leaf_exc.add_note(f"async_array: raised in {self.where(index)}")
+            found = errors[index] = (leaf_exc, exc.__traceback__)
+        return found
+
+    def value(self, index: int, timeout: float | None) -> jax.Array:
+        """Waits (GIL released) and returns leaf ``index``'s ``jax.Array``."""
+        fut = self.future
+        if not fut.done() and not fut.wait(timeout):
+            raise TimeoutError(f"{self.where(index)}: not ready after {timeout} s")
+        failed = self.error(index)
+        if failed is not None:
+            self.retrieved = True
+            exc, tb = failed
+            raise exc.with_traceback(tb)
+        return fut.result(0)[index]
+
+    def __del__(self) -> None:
+        # As asyncio does: an exception nobody retrieved is logged, not lost.
+        try:
+            fut = self.future
+            if self.retrieved or not fut.done() or fut.cancelled():
+                return
+            exc = fut.exception(0)
+            if exc is None:
+                exc = next((v for v in fut.result(0) if isinstance(v, BaseException)), None)
+            if exc is not None:
+                _LOG.error(
+                    "async_array: %s failed and no leaf's exception was ever retrieved",
+                    self.name,
+                    exc_info=exc,
+                )
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+def _shallow_copy(exc: BaseException) -> BaseException:
+    try:
+        dup = copy.copy(exc)
+    except Exception:
+        return exc
+    dup.__traceback__ = exc.__traceback__
+    dup.__cause__ = exc.__cause__
+    dup.__context__ = exc.__context__
+    dup.__suppress_context__ = exc.__suppress_context__
+    if hasattr(exc, "__notes__"):
+        dup.__notes__ = list(exc.__notes__)
+    return dup
+
+
+_default_sharding: jax.sharding.Sharding | None = None
+
+
+def default_sharding() -> jax.sharding.Sharding:
+    """Where a leaf lands when no sharding is given: the default device,
+    uncommitted, as ``jnp.asarray`` of a numpy array would."""
+    global _default_sharding
+    if _default_sharding is None:
+        _default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return _default_sharding
+
+
+class AsyncArray(jax.Array):
+    """A ``jax.Array`` whose value is produced by a task that may still run.
+
+    Shape, dtype and sharding are known at once, so ``jax.jit`` traces and
+    compiles a function of an ``AsyncArray`` while the value loads; only
+    reading the value waits.
+
+    Never blocks: ``shape``, ``dtype``, ``ndim``, ``size``, ``nbytes``,
+    ``itemsize``, ``aval``, ``sharding``, ``committed``, ``done()``,
+    ``is_ready()``, ``running()``, ``cancelled()``, ``cancel()``,
+    ``add_done_callback()`` and ``repr()``.
+
+    Blocks until the value exists (the GIL is released; Ctrl-C interrupts):
+    ``result()``, ``exception()``, ``block_until_ready()``, ``str()``,
+    ``np.asarray(x)``, ``__jax_array__``, ``__dlpack__``, every operator,
+    indexing, iteration and every other ``jax.Array`` method, which are
+    forwarded to the result.
+
+    Not constructed directly: ``async_wrap``, ``async_map``, ``async_stream``
+    and ``aa.jit`` make them.
+    """
+
+    __slots__ = ("_aval", "_committed", "_index", "_sharding", "_source", "_value")
+    __array_priority__ = 100
+
+    def __init__(
+        self,
+        source: Source,
+        index: int,
+        aval: Any,
+        sharding: jax.sharding.Sharding | None,
+    ) -> None:
+        self._source: Source | None = source
+        self._index = index
+        self._aval = aval
+        self._sharding = sharding
+        self._committed = sharding is not None
+        self._value: jax.Array | None = None
+
+    # -- known at once -------------------------------------------------------
+    @property
+    def aval(self) -> Any:
+        """The abstract value (``ShapedArray``), never weakly typed."""
+        return self._aval
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._aval.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._aval.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._aval.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self._aval.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self._aval.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the value in bytes."""
+        return self.size * self._aval.dtype.itemsize
+
+    @property
+    def weak_type(self) -> bool:
+        return False
+
+    @property
+    def sharding(self) -> jax.sharding.Sharding:
+        """The requested sharding, or the default device's when none was asked."""
+        return self._sharding if self._sharding is not None else default_sharding()
+
+    @property
+    def committed(self) -> bool:
+        """True when a sharding was requested (the value is committed to it)."""
+        return self._committed
+
+    @property
+    def format(self) -> None:
+        # Default layout: what jax.jit assumes while the value does not exist.
+        return None
+
+    @property
+    def is_fully_addressable(self) -> bool:
+        return self.sharding.is_fully_addressable
+
+    @property
+    def is_fully_replicated(self) -> bool:
+        return self.sharding.is_fully_replicated
+
+    @property
+    def device(self) -> Any:
+        sharding = self.sharding
+        devices = sharding.device_set
+        return next(iter(devices)) if len(devices) == 1 else sharding
+
+    def devices(self) -> set[Any]:
+        return set(self.sharding.device_set)
+
+    # -- future-like ---------------------------------------------------------
+    def done(self) -> bool:
+        """True once the value exists or its task failed or was cancelled."""
+        source = self._source
+        return source is None or source.future.done()
+
+    def is_ready(self) -> bool:
+        """Same as :meth:`done` (``jax.Array.is_ready`` spelling)."""
+        return self.done()
+
+    def running(self) -> bool:
+        source = self._source
+        return source is not None and source.future.running()
+
+    def cancelled(self) -> bool:
+        source = self._source
+        return source is not None and source.future.cancelled()
+
+    def cancel(self) -> bool:
+        """Cancels the task if it has not started (every leaf of that task).
+
+        Returns:
+          True if the task is cancelled; then every use raises
+          ``concurrent.futures.CancelledError``.
+        """
+        source = self._source
+        return source is not None and source.future.cancel()
+
+    def result(self, timeout: float | None = None) -> jax.Array:
+        """Waits for the value and returns it as a ``jax.Array``.
+
+        Args:
+          timeout: seconds to wait; None waits as long as it takes.
+
+        Raises:
+          TimeoutError: not ready within ``timeout`` seconds.
+          concurrent.futures.CancelledError: the task was cancelled.
+          Exception: whatever the task raised, with a note naming this leaf, or
+            the validation error of this leaf (shape, dtype, overflow).
+        """
+        value = self._value
+        if value is not None:
+            return value
+        source = self._source
+        if source is None:  # another thread resolved it meanwhile
+            return self._value  # type: ignore[return-value]
+        value = source.value(self._index, timeout)
+        self._value = value
+        self._source = None
+        return value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Waits, then returns what this leaf failed with, or None.
+
+        Raises:
+          TimeoutError: not done within ``timeout`` seconds.
+          concurrent.futures.CancelledError: the task was cancelled.
+        """
+        source = self._source
+        if source is None:
+            return None
+        fut = source.future
+        if not fut.done() and not fut.wait(timeout):
+            raise TimeoutError(f"{source.where(self._index)}: not done after {timeout} s")
+        failed = source.error(self._index)
+        if failed is None:
+            return None
+        exc, tb = failed
+        if isinstance(exc, concurrent.futures.CancelledError):
+            raise exc
+        source.retrieved = True
+        return exc.with_traceback(tb)
+
+    def add_done_callback(self, fn: Callable[[AsyncArray], Any]) -> None:
+        """Calls ``fn(self)`` once done, on the thread that finished the task
+        (at once, here, if done). Exceptions from ``fn`` are logged to the
+        ``async_array`` logger."""
+        source = self._source
+        if source is None:
+            try:
+                fn(self)
+            except Exception:
+                _LOG.exception("async_array: exception in done-callback %r", fn)
+            return
+        source.future.add_done_callback(lambda _: fn(self))
+
+    def block_until_ready(self) -> AsyncArray:
+        """Waits for the value (and for JAX to finish computing it); returns self."""
+        self.result().block_until_ready()
+        return self
+
+    def __await__(self) -> Generator[Any, None, jax.Array]:
+        if not self.done():
+            loop = asyncio.get_running_loop()
+            waiter = loop.create_future()
+
+            def wake(_: Any) -> None:
+                loop.call_soon_threadsafe(_set_done, waiter)
+
+            self.add_done_callback(wake)
+            yield from waiter.__await__()
+        return self.result()
+
+    def __repr__(self) -> str:
+        spec = f"shape={self.shape}, dtype={self.dtype.name}"
+        if not self.done():
+            return f"AsyncArray(pending, {spec})"
+        source = self._source
+        failed = source.error(self._index) if source is not None else None
+        if failed is not None:
+            exc = failed[0]
+            return f"AsyncArray(failed: {type(exc).__name__}: {exc}, {spec})"
+        return f"AsyncArray(ready, {self.result()!r})"
+
+    def __str__(self) -> str:
+        return str(self.result())
+
+    def __format__(self, spec: str) -> str:
+        return format(self.result(), spec)
+
+    def __jax_array__(self) -> jax.Array:
+        if _jax_hooks.ERROR is not None:
+            raise _jax_hooks.hooks_error()
+        return self.result()
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        out = np.asarray(self.result(), dtype=dtype)
+        return out.copy() if copy else out
+
+    def __getattr__(self, name: str) -> Any:
+        # Only names of the concrete jax.Array: a probe for anything else
+        # (hasattr(x, "foo")) answers at once instead of waiting.
+        if name in _FORWARDED_ATTRS:
+            return getattr(self.result(), name)
+        raise AttributeError(f"'AsyncArray' object has no attribute {name!r}")
+
+    def __reduce__(self) -> Any:
+        return self.result().__reduce__()
+
+
+def _set_done(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _forward(name: str) -> Callable[..., Any]:
+    def method(self: AsyncArray, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.result(), name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"Waits for the value, then returns ``result().{name}(...)``."
+    return method
+
+
+def _forward_property(name: str) -> property:
+    return property(
+        lambda self: getattr(self.result(), name),
+        doc=f"Waits for the value, then returns ``result().{name}``.",
+    )
+
+
+_ArrayImpl = type(jax.numpy.zeros(()))
+
+# Dunders Python looks up on the type: each waits and defers to the result.
+_OPERATORS = [
+    f"__{op}__"
+    for base in (
+        "add", "sub", "mul", "truediv", "floordiv", "mod", "divmod", "pow", "matmul",
+        "and", "or", "xor", "lshift", "rshift",
+    )
+    for op in (base, "r" + base)
+] + [
+    "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__",
+    "__neg__", "__pos__", "__abs__", "__invert__", "__round__",
+    "__bool__", "__int__", "__float__", "__complex__", "__index__",
+    "__len__", "__iter__", "__reversed__", "__contains__", "__getitem__", "__setitem__",
+    "__copy__", "__deepcopy__", "__dlpack__", "__dlpack_device__", "__array_namespace__",
+]  # fmt: skip
+for _name in _OPERATORS:
+    if hasattr(_ArrayImpl, _name):
+        setattr(AsyncArray, _name, _forward(_name))
+
+# What jax.Array declares but cannot answer without the value.
+_NEEDS_VALUE = (
+    "addressable_data", "addressable_shards", "global_shards", "copy_to_host_async",
+    "delete", "is_deleted", "on_device_size_in_bytes", "unsafe_buffer_pointer",
+    "to_device", "traceback",
+)  # fmt: skip
+for _name in _NEEDS_VALUE:
+    _static = getattr(_ArrayImpl, _name, None)
+    if _static is None:
+        continue
+    if isinstance(_static, property) or not callable(_static):
+        setattr(AsyncArray, _name, _forward_property(_name))
+    else:
+        setattr(AsyncArray, _name, _forward(_name))
+
+_FORWARDED_ATTRS = frozenset(
+    name for name in dir(_ArrayImpl) if not name.startswith("_") and not hasattr(AsyncArray, name)
+)
+
+
+def resolve_all(leaves: Sequence[Any], timeout: float | None = None) -> list[Any]:
+    """The value of every leaf, after one GIL-free wait for all pending tasks.
+
+    ``AsyncArray`` leaves become ``jax.Array``; others pass through.
+
+    Raises:
+      TimeoutError: some leaf not ready within ``timeout`` seconds.
+      Exception: the first failed leaf's exception.
+    """
+    pending: dict[int, Any] = {}
+    for leaf in leaves:
+        if type(leaf) is AsyncArray:
+            source = leaf._source
+            if source is not None and not source.future.done():
+                pending[id(source.future)] = source.future
+    if pending and not _core.wait_all(list(pending.values()), timeout):
+        left = sum(1 for leaf in leaves if type(leaf) is AsyncArray and not leaf.done())
+        raise TimeoutError(f"async_array: {left} leaves not ready after {timeout} s")
+    return [leaf.result() if type(leaf) is AsyncArray else leaf for leaf in leaves]
+
+
+_jax_hooks.install(AsyncArray, resolve_all)

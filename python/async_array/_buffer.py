@@ -1,0 +1,98 @@
+"""``aa.empty``: aligned host memory owned by the Rust core."""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._core import HostBuffer
+
+# DLPack type codes (dlpack.h, DLDataTypeCode).
+_DL_CODES = {"b": 6, "i": 0, "u": 1, "f": 2, "c": 5}
+_DL_BFLOAT = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _describe(dtype: np.dtype) -> tuple[str | None, int]:
+    """(PEP 3118 format or None, DLPack type code) of a supported dtype."""
+    if dtype == np.dtype(jax.numpy.bfloat16):
+        code = _DL_BFLOAT
+    elif dtype.kind in _DL_CODES and dtype.isnative:
+        code = _DL_CODES[dtype.kind]
+    else:
+        raise TypeError(
+            f"aa.empty: dtype {dtype} is not supported; HostBuffer holds bool, "
+            "int8-64, uint8-64, float16, bfloat16, float32, float64, complex64 "
+            "or complex128 in native byte order"
+        )
+    try:
+        fmt: str | None = memoryview(np.empty((0,), dtype)).format
+    except (ValueError, TypeError):
+        fmt = None  # e.g. bfloat16: numpy views it through __array__ instead
+    return fmt, code
+
+
+def _shape_tuple(shape: Any, where: str) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    out = []
+    for d in dims:
+        try:
+            d = operator.index(d)
+        except TypeError:
+            raise TypeError(f"{where}: shape must hold integers, got {shape!r}") from None
+        if d < 0:
+            raise ValueError(f"{where}: negative dimension in shape {tuple(dims)}")
+        out.append(d)
+    return tuple(out)
+
+
+def empty(shape: int | tuple[int, ...], dtype: Any) -> HostBuffer:
+    """Allocates an uninitialised, writable, 64-byte-aligned host buffer.
+
+    Fill it, e.g. with ``file.readinto(buf)`` or ``sock.recv_into(buf)``, or
+    through ``np.asarray(buf)`` (a zero-copy view), and return it from the
+    function given to ``async_wrap``: the hand-off to JAX on CPU is then
+    zero-copy (through DLPack), whatever the size.
+
+    Args:
+      shape: dimensions, in elements.
+      dtype: bool, int8-int64, uint8-uint64, float16, bfloat16, float32,
+        float64, complex64 or complex128 (native byte order).
+
+    Returns:
+      A ``HostBuffer`` of ``prod(shape) * dtype.itemsize`` bytes; its contents
+      are unspecified until written (large buffers are not zeroed eagerly).
+
+    Raises:
+      TypeError: unsupported dtype, or a shape that is not integers.
+      ValueError: a negative dimension.
+      MemoryError: the allocation failed.
+
+    Note:
+      Ownership: once JAX has the memory (the buffer was returned from a
+      loader, or ``__dlpack__`` was called), new writable views are refused;
+      views made earlier must not be written, or the ``jax.Array`` changes.
+
+    Examples:
+      >>> import numpy as np, async_array as aa
+      >>> buf = aa.empty((2, 3), np.float32)
+      >>> np.asarray(buf)[:] = 1.5
+      >>> float(np.asarray(buf).sum())
+      9.0
+    """
+    dims = _shape_tuple(shape, "aa.empty")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"aa.empty: unknown dtype {dtype!r}") from exc
+    fmt, code = _describe(dt)
+    return HostBuffer(dims, dt, dt.itemsize, fmt, code, dt.itemsize * 8)
+
+
+def aligned_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A numpy array over fresh 64-byte-aligned memory (for a one-copy hand-off)."""
+    return np.asarray(empty(shape, dtype))

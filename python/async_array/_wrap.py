@@ -1,0 +1,462 @@
+"""``async_wrap``: run a slow function on the pool, return ``AsyncArray``s at once.
+
+Also the per-leaf conversion every producer shares: checking a result against
+its declared shape and dtype, casting without loss, and handing it to JAX with
+at most one copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _core, _jax_hooks
+from ._array import AsyncArray, Source, default_sharding
+from ._buffer import aligned_array
+from ._core import HostBuffer
+
+_Sharding = jax.sharding.Sharding
+
+# A value referenced only by the converting frame's local and getrefcount's argument.
+_EXCLUSIVE_REFS = 2
+_ALIGN = 64
+
+
+def qualname(f: Any) -> str:
+    """How messages name a callable."""
+    if isinstance(f, functools.partial):
+        return f"partial({qualname(f.func)})"
+    return getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or type(f).__qualname__
+
+
+# -- declared specs ------------------------------------------------------------
+
+
+def _shape(shape: Any, where: str) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"{where}: shape must be a tuple of integers, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"{where}: negative dimension in shape {dims}")
+    return dims
+
+
+@functools.lru_cache(maxsize=1024)
+def _canonical(dtype: np.dtype, x64: bool) -> np.dtype:
+    # x64 is part of the key: the answer changes when jax_enable_x64 does.
+    return _jax_hooks.canonical_dtype(dtype, "async_wrap")
+
+
+def _dtype(dtype: Any, where: str) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{where}: unknown dtype {dtype!r}") from None
+    if dt.kind not in "biufcV" or (dt.kind == "V" and dt.names is not None):
+        raise TypeError(f"{where}: dtype {dt} is not a JAX array dtype")
+    if dt.byteorder == ">":
+        dt = dt.newbyteorder("=")
+    return _canonical(dt, jax.config.jax_enable_x64)
+
+
+_avals: dict[tuple[tuple[int, ...], np.dtype], Any] = {}
+
+
+def _aval(shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    key = (shape, dtype)
+    aval = _avals.get(key)
+    if aval is None:
+        aval = _avals[key] = _jax_hooks.shaped_array(shape, dtype)
+    return aval
+
+
+def _check_sharding(sharding: Any, shape: tuple[int, ...], where: str) -> None:
+    if not isinstance(sharding, _Sharding):
+        raise TypeError(
+            f"{where}: sharding must be a jax.sharding.Sharding, got {type(sharding).__name__}"
+        )
+    try:
+        sharding.shard_shape(shape)
+    except Exception as exc:
+        raise ValueError(f"{where}: sharding {sharding} does not fit shape {shape}: {exc}") from exc
+
+
+def _broadcast_shardings(sharding: Any, like: Any, n: int, where: str) -> list[Any]:
+    """``sharding`` as one entry per leaf of ``like``: a single Sharding, or a
+    pytree prefix of ``like`` with Sharding (or None) leaves, as ``jax.device_put``."""
+    if sharding is None or isinstance(sharding, _Sharding):
+        return [sharding] * n
+    is_leaf = lambda s: s is None or isinstance(s, _Sharding)  # noqa: E731
+    prefix, prefix_def = jax.tree_util.tree_flatten(sharding, is_leaf=is_leaf)
+    try:
+        subtrees = prefix_def.flatten_up_to(like)
+    except ValueError as exc:
+        raise ValueError(f"{where}: sharding is not a pytree prefix of like: {exc}") from None
+    out: list[Any] = []
+    for s, sub in zip(prefix, subtrees, strict=True):
+        out.extend([s] * jax.tree_util.tree_structure(sub).num_leaves)
+    return out
+
+
+class LeafSpecs:
+    """What each leaf of one call must be: avals, shardings, key paths.
+
+    Key paths are only computed to build a message (flattening with paths
+    costs several microseconds a leaf).
+    """
+
+    __slots__ = ("_paths", "avals", "committed", "like", "name", "shardings", "treedef")
+
+    def __init__(self, name: str, avals: list[Any], shardings: list[Any], like: Any, treedef: Any):
+        self.name = name
+        self.avals = avals
+        self.committed = [s is not None for s in shardings]
+        self.shardings = [default_sharding() if s is None else s for s in shardings]
+        self.like = like
+        self.treedef = treedef  # None: a single leaf given by shape= and dtype=
+        self._paths: list[str] | None = None
+
+    def key_path(self, index: int) -> str:
+        if self.treedef is None:
+            return ""
+        if self._paths is None:
+            flat = jax.tree_util.tree_flatten_with_path(self.like)[0]
+            self._paths = [jax.tree_util.keystr(p) for p, _ in flat]
+        return self._paths[index]
+
+    def where(self, index: int) -> str:
+        path = self.key_path(index)
+        return f"{self.name} leaf {path}" if path else f"{self.name} result"
+
+
+def declare(
+    name: str,
+    shape: Any,
+    dtype: Any,
+    like: Any,
+    sharding: Any,
+) -> LeafSpecs:
+    """Validates the arguments of ``async_wrap``-like calls into ``LeafSpecs``."""
+    if like is not None and (shape is not None or dtype is not None):
+        raise TypeError(f"{name}: pass either shape= and dtype=, or like=, not both")
+    if like is None:
+        if shape is None or dtype is None:
+            raise TypeError(f"{name}: needs shape= and dtype=, or like= (a pytree of specs)")
+        dims = _shape(shape, name)
+        dt = _dtype(dtype, name)
+        if sharding is not None:
+            _check_sharding(sharding, dims, name)
+        return LeafSpecs(name, [_aval(dims, dt)], [sharding], None, None)
+
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    n = len(leaves)
+    shardings = _broadcast_shardings(sharding, like, n, name)
+    avals = []
+    specs = LeafSpecs(name, avals, [None] * n, like, treedef)
+    for i, leaf in enumerate(leaves):
+        try:
+            dims = _shape(leaf.shape, "")
+            dt = _dtype(leaf.dtype, "")
+        except AttributeError:
+            raise TypeError(
+                f"{specs.where(i)}: a like leaf needs .shape and .dtype "
+                f"(e.g. jax.ShapeDtypeStruct), got {type(leaf).__name__}"
+            ) from None
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{specs.where(i)}{exc}") from None
+        avals.append(_aval(dims, dt))
+        s = shardings[i]
+        if s is None:
+            own = getattr(leaf, "sharding", None)
+            # A like leaf's own sharding, unless it is an uncommitted jax.Array.
+            if isinstance(own, _Sharding) and getattr(leaf, "committed", True):
+                s = own
+        if s is not None:
+            _check_sharding(s, dims, specs.where(i))
+        shardings[i] = s
+    specs.committed = [s is not None for s in shardings]
+    specs.shardings = [default_sharding() if s is None else s for s in shardings]
+    return specs
+
+
+# -- converting results --------------------------------------------------------
+
+
+def _check_cast(src: np.dtype, dst: np.dtype, where: str) -> None:
+    if src == dst or (src.kind in "biu" and dst.kind in "iu"):
+        return  # integers: any width or sign, range-checked by _copy_checked
+    if not np.can_cast(src, dst, casting="same_kind"):
+        raise TypeError(
+            f"{where}: expected dtype {dst}, got {src}; async_array casts only within "
+            "a kind (numpy same_kind: e.g. float64 to float32, int64 to int32)"
+        )
+
+
+def _copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
+    """Copies ``value`` into ``dst`` (casting, byte-swapping, de-striding in one
+    pass); raises OverflowError rather than wrap an integer or turn a finite
+    float into inf."""
+    src, to = value.dtype, dst.dtype
+    if to.kind in "iu" and src.kind in "iu" and value.size:
+        info = np.iinfo(to)
+        lo, hi = int(value.min()), int(value.max())
+        if lo < info.min or hi > info.max:
+            raise OverflowError(
+                f"{where}: expected dtype {to}, got {src} values in [{lo}, {hi}], outside "
+                f"{to}'s range [{info.min}, {info.max}]; async_array never wraps integers"
+            )
+    with np.errstate(all="ignore"):
+        np.copyto(dst, value, casting="unsafe")
+    if src != to and to.kind not in "biu" and value.size:
+        with np.errstate(all="ignore"):
+            grew = np.isinf(dst) & np.isfinite(value)
+        if grew.any():
+            bad = value[grew].flat[0]
+            raise OverflowError(
+                f"{where}: expected dtype {to}, got {src} value {bad} which is finite "
+                f"but beyond {to}'s range (it would become inf)"
+            )
+
+
+@functools.lru_cache(maxsize=256)
+def _on_cpu(sharding: _Sharding) -> bool:
+    return all(d.platform == "cpu" for d in sharding.device_set)
+
+
+def _host_array(value: Any, where: str) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "__dlpack__") and not isinstance(value, (np.generic, HostBuffer)):
+        try:
+            return np.from_dlpack(value)
+        except (TypeError, BufferError, RuntimeError, ValueError):
+            pass  # not a CPU tensor numpy can view: try the array protocol below
+    try:
+        return np.asarray(value)
+    except Exception as exc:
+        raise TypeError(
+            f"{where}: expected an array, got {type(value).__name__} that numpy cannot "
+            f"convert ({exc})"
+        ) from exc
+
+
+def place(
+    value: Any,
+    exclusive: bool,
+    aval: Any,
+    sharding: _Sharding,
+    committed: bool,
+    where: str,
+) -> jax.Array:
+    """Turns one result into the leaf's ``jax.Array``.
+
+    Args:
+      value: what the function returned for this leaf.
+      exclusive: nothing but the caller holds ``value``, so its memory may be
+        aliased instead of copied.
+      aval: the declared shape and dtype.
+      sharding: where the array goes.
+      committed: whether it is committed there.
+      where: the call and key path, for messages.
+
+    Raises:
+      ValueError: the shape differs.
+      TypeError: a cast across kinds, or not an array at all.
+      OverflowError: a value that does not fit the declared dtype.
+    """
+    shape, dtype = aval.shape, aval.dtype
+    if isinstance(value, AsyncArray):
+        value = value.result()
+    if isinstance(value, jax.Array):
+        if value.shape != shape:
+            raise ValueError(f"{where}: expected shape {shape}, got {value.shape}")
+        if value.dtype == dtype:
+            if not value.sharding.is_equivalent_to(sharding, len(shape)):
+                value = jax.device_put(value, sharding)  # a copy, now ours alone
+            elif not exclusive:
+                value = value.copy()  # the loader may delete or donate its own
+            if len(sharding.device_set) > 1:
+                return value
+            return _jax_hooks.device_put(value, aval, sharding, committed)
+        value, exclusive = np.asarray(value), False
+    elif isinstance(value, HostBuffer):
+        if value.shape == shape and value.dtype == dtype and _on_cpu(sharding):
+            value.mark_exported()
+            if _jax_hooks.ERROR is None and len(sharding.device_set) == 1:
+                # Zero-copy through DLPack, then re-labelled with the leaf's
+                # sharding and commitment (same buffer, no copy).
+                array = jax.dlpack.from_dlpack(value, copy=False)
+                return _jax_hooks.device_put(array, aval, sharding, committed)
+            return _jax_hooks.device_put(np.asarray(value), aval, sharding, committed)
+        value, exclusive = np.asarray(value), False
+
+    host = _host_array(value, where)
+    if host is not value:
+        # A new array (from a list or scalar) is ours alone; an array some
+        # object hands out through __array__ is still that object's.
+        del value
+        exclusive = sys.getrefcount(host) <= _EXCLUSIVE_REFS
+    if host.shape != shape:
+        raise ValueError(f"{where}: expected shape {shape}, got {host.shape}")
+    _check_cast(host.dtype, dtype, where)
+    if not _on_cpu(sharding):
+        # Off the host, the transfer is the one copy.
+        if host.dtype != dtype or not host.dtype.isnative:
+            staged = np.empty(shape, dtype)
+            _copy_checked(host, staged, where)
+            host = staged
+        return _jax_hooks.device_put(host, aval, sharding, committed)
+    aliasable = (
+        exclusive
+        and host.dtype == dtype
+        and host.flags.c_contiguous
+        and host.flags.owndata
+        and host.ctypes.data % _ALIGN == 0
+    )
+    if not aliasable:
+        staged = aligned_array(shape, dtype)
+        _copy_checked(host, staged, where)
+        host = staged
+    return _jax_hooks.device_put(host, aval, sharding, committed)
+
+
+def structure_error(specs: LeafSpecs, out: Any, cause: Exception) -> ValueError:
+    """Says which key paths the result lacks and which it has in excess."""
+    want = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(specs.like)[0]}
+    got = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(out)[0]}
+    missing = sorted(p for p in want - got if not any(g.startswith(p) for g in got))
+    extra = sorted(p for p in got - want if not any(p.startswith(w) for w in want))
+    parts = []
+    if missing:
+        parts.append(f"missing key paths {', '.join(missing[:5])}")
+    if extra:
+        parts.append(f"unexpected key paths {', '.join(extra[:5])}")
+    detail = "; ".join(parts) or str(cause)
+    return ValueError(
+        f"{specs.name}: the result's tree structure differs from like "
+        f"(matched by key path): {detail}"
+    )
+
+
+def convert_results(specs: LeafSpecs, holder: list[Any]) -> list[Any]:
+    """The per-leaf list a ``Source`` future holds: each entry a ``jax.Array``
+    or the exception that leaf alone failed with.
+
+    ``holder`` is a one-item list with the function's result, taken out here so
+    that this frame holds the only reference and can tell what it may alias.
+    """
+    out = holder.pop()
+    if specs.treedef is None:
+        values = [out]
+    else:
+        try:
+            values = specs.treedef.flatten_up_to(out)
+        except (ValueError, TypeError) as exc:
+            raise structure_error(specs, out, exc) from None
+    del out
+    avals, shardings, committed = specs.avals, specs.shardings, specs.committed
+    results: list[Any] = [None] * len(values)
+    for i in range(len(values)):
+        value = values[i]
+        values[i] = None
+        exclusive = sys.getrefcount(value) <= _EXCLUSIVE_REFS
+        try:
+            results[i] = place(value, exclusive, avals[i], shardings[i], committed[i], "")
+        except (ValueError, TypeError, OverflowError) as exc:
+            results[i] = type(exc)(f"{specs.where(i)}{exc}")
+        except Exception as exc:
+            exc.add_note(f"async_array: while converting {specs.where(i)}")
+            results[i] = exc
+        del value
+    return results
+
+
+def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
+    try:
+        holder = [f()]
+    except BaseException as exc:
+        # Keep f's frames for the traceback but free their locals (a loader's
+        # half-filled buffers, say).
+        traceback.clear_frames(exc.__traceback__)
+        raise
+    return convert_results(specs, holder)
+
+
+def leaves_for(specs: LeafSpecs, future: _core.Future) -> Any:
+    """The ``AsyncArray`` leaves of one call, in the shape of ``like``."""
+    source = Source(future, specs.name, len(specs.avals), specs.key_path)
+    leaves = [
+        AsyncArray(source, i, aval, sharding if committed else None)
+        for i, (aval, sharding, committed) in enumerate(
+            zip(specs.avals, specs.shardings, specs.committed, strict=True)
+        )
+    ]
+    return leaves[0] if specs.treedef is None else specs.treedef.unflatten(leaves)
+
+
+def async_wrap(
+    f: Callable[[], Any],
+    *,
+    shape: Sequence[int] | int | None = None,
+    dtype: Any = None,
+    like: Any = None,
+    sharding: Any = None,
+) -> Any:
+    """Runs ``f()`` once on the pool and returns its result's leaves at once.
+
+    Args:
+      f: a callable taking no arguments. It may return numpy arrays,
+        ``jax.Array``s, ``HostBuffer``s, anything with ``__dlpack__`` or
+        ``__array__``, Python scalars or nested lists; with ``like=``, a pytree
+        of those with the structure of ``like`` (matched by key path).
+      shape: the result's shape (with ``dtype``), for a single array.
+      dtype: the result's dtype, canonicalized as JAX does (int64 becomes
+        int32 when x64 is off, with JAX's warning).
+      like: instead of shape/dtype, a pytree whose leaves have ``.shape`` and
+        ``.dtype`` (``jax.ShapeDtypeStruct``, arrays, ``jax.eval_shape`` output).
+      sharding: a ``jax.sharding.Sharding``, or a pytree prefix of ``like``
+        with them, placing the result (committed). When None, a like leaf's
+        own ``.sharding`` is used; otherwise the default device, uncommitted.
+
+    Returns:
+      An ``AsyncArray`` (shape/dtype), or a pytree of them shaped like ``like``.
+      One pool task serves every leaf.
+
+    Raises:
+      TypeError: ``f`` not callable; both or neither of shape/dtype and like;
+        an unknown dtype; a like leaf without shape/dtype; a bad sharding.
+      ValueError: a negative dimension; a sharding that does not fit.
+
+    Each leaf then fails, at every use, with: ``f``'s own exception (same
+    type, ``f``'s frames, a note naming the leaf); ``ValueError`` for a shape
+    or tree-structure mismatch; ``TypeError`` for a cast across kinds;
+    ``OverflowError`` for a value that does not fit the declared dtype.
+
+    Note:
+      A ``HostBuffer`` result, and on CPU a numpy result that is 64-byte
+      aligned, C-contiguous, owns its data and is held by nothing else, reach
+      JAX without a copy. Anything else is copied once.
+
+    Examples:
+      >>> import time, numpy as np, jax, async_array as aa
+      >>> def slow():
+      ...     time.sleep(0.1)
+      ...     return np.arange(4, dtype=np.int32)
+      >>> x = aa.async_wrap(slow, shape=(4,), dtype=np.int32)
+      >>> jax.jit(lambda v: v * v)(x)
+      Array([0, 1, 4, 9], dtype=int32)
+    """
+    if not callable(f):
+        raise TypeError(f"async_wrap: f must be callable, got {type(f).__name__}")
+    specs = declare(f"async_wrap({qualname(f)})", shape, dtype, like, sharding)
+    return leaves_for(specs, _core.submit(_run, f, specs))

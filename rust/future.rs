@@ -1,0 +1,435 @@
+//! A one-shot future: pending -> running -> done | failed | cancelled.
+//!
+//! Plain Rust (no pyo3 types) so that it is tested and benchmarked with `cargo`.
+//! The outcome is written once into a `OnceLock`, so reading a finished future
+//! takes no lock; the mutex only guards the callback list and pairs with the
+//! condition variable that waiters sleep on.
+
+use parking_lot::{Condvar, Mutex};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+/// How a future finished.
+#[derive(Debug)]
+pub enum Outcome<T, E> {
+    Value(T),
+    Error(E),
+    Cancelled,
+}
+
+/// The state of a future, as `concurrent.futures` names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Status {
+    Pending,
+    Running,
+    Done,
+    Failed,
+    Cancelled,
+}
+
+const PENDING: u8 = 0;
+const RUNNING: u8 = 1;
+const FINISHING: u8 = 2;
+const FINISHED: u8 = 3;
+
+type Callback<T, E> = Box<dyn FnOnce(&Outcome<T, E>) + Send>;
+
+struct Shared<T, E> {
+    phase: AtomicU8,
+    outcome: OnceLock<Outcome<T, E>>,
+    callbacks: Mutex<Vec<Callback<T, E>>>,
+    cond: Condvar,
+}
+
+/// A cloneable handle to one shared future.
+pub struct Future<T, E> {
+    shared: Arc<Shared<T, E>>,
+}
+
+impl<T, E> Clone for Future<T, E> {
+    fn clone(&self) -> Self {
+        Future {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<T, E> Default for Future<T, E> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T, E> Future<T, E> {
+    pub fn new() -> Self {
+        Future {
+            shared: Arc::new(Shared {
+                phase: AtomicU8::new(PENDING),
+                outcome: OnceLock::new(),
+                callbacks: Mutex::new(Vec::new()),
+                cond: Condvar::new(),
+            }),
+        }
+    }
+
+    /// True when both handles name the same future.
+    pub fn same_as(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
+    /// The outcome, once finished; never blocks.
+    pub fn outcome(&self) -> Option<&Outcome<T, E>> {
+        self.shared.outcome.get()
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.shared.outcome.get().is_some()
+    }
+
+    pub fn status(&self) -> Status {
+        match self.shared.outcome.get() {
+            Some(Outcome::Value(_)) => Status::Done,
+            Some(Outcome::Error(_)) => Status::Failed,
+            Some(Outcome::Cancelled) => Status::Cancelled,
+            None => match self.shared.phase.load(Ordering::Acquire) {
+                PENDING => Status::Pending,
+                _ => Status::Running,
+            },
+        }
+    }
+
+    /// Marks the future running; false when it was cancelled (or finished) first,
+    /// in which case the task must not run.
+    pub fn set_running(&self) -> bool {
+        self.shared
+            .phase
+            .compare_exchange(PENDING, RUNNING, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// Cancels a future that has not started. True when it is (now) cancelled,
+    /// as `concurrent.futures.Future.cancel` answers.
+    pub fn cancel(&self) -> bool {
+        if self
+            .shared
+            .phase
+            .compare_exchange(PENDING, FINISHING, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.publish(Outcome::Cancelled);
+            return true;
+        }
+        matches!(self.shared.outcome.get(), Some(Outcome::Cancelled))
+    }
+
+    /// Finishes the future with `outcome`; false (and `outcome` dropped) when it
+    /// had already finished.
+    pub fn complete(&self, outcome: Outcome<T, E>) -> bool {
+        let mut phase = self.shared.phase.load(Ordering::Acquire);
+        loop {
+            if phase >= FINISHING {
+                return false;
+            }
+            match self.shared.phase.compare_exchange_weak(
+                phase,
+                FINISHING,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(now) => phase = now,
+            }
+        }
+        self.publish(outcome);
+        true
+    }
+
+    fn publish(&self, outcome: Outcome<T, E>) {
+        // Only the thread that moved the phase to FINISHING gets here, so `set` succeeds.
+        let _ = self.shared.outcome.set(outcome);
+        let callbacks = {
+            let mut guard = self.shared.callbacks.lock();
+            self.shared.phase.store(FINISHED, Ordering::Release);
+            self.shared.cond.notify_all();
+            std::mem::take(&mut *guard)
+        };
+        // Callbacks run after the lock is released: they may call back into this future.
+        let outcome = self.shared.outcome.get().expect("outcome was just set");
+        for callback in callbacks {
+            callback(outcome);
+        }
+    }
+
+    /// Runs `callback` when the future finishes, or at once (on this thread) if it has.
+    pub fn add_done_callback(&self, callback: impl FnOnce(&Outcome<T, E>) + Send + 'static) {
+        {
+            let mut guard = self.shared.callbacks.lock();
+            if self.shared.phase.load(Ordering::Acquire) != FINISHED {
+                guard.push(Box::new(callback));
+                return;
+            }
+        }
+        callback(
+            self.shared
+                .outcome
+                .get()
+                .expect("finished future has an outcome"),
+        );
+    }
+
+    /// Blocks until the future finishes or `deadline` passes (`None`: no deadline).
+    /// True when finished. Call it from the GIL-free wait helper, never directly
+    /// from a Python-facing method.
+    pub fn wait_until(&self, deadline: Option<Instant>) -> bool {
+        if self.is_finished() {
+            return true;
+        }
+        let mut guard = self.shared.callbacks.lock();
+        while self.shared.phase.load(Ordering::Acquire) != FINISHED {
+            match deadline {
+                None => self.shared.cond.wait(&mut guard),
+                Some(deadline) => {
+                    if self
+                        .shared
+                        .cond
+                        .wait_until(&mut guard, deadline)
+                        .timed_out()
+                    {
+                        return self.shared.phase.load(Ordering::Acquire) == FINISHED;
+                    }
+                }
+            }
+        }
+        true
+    }
+}
+
+/// Waits for every future in `futures[start..]`, in order, until `deadline`.
+/// Returns `Ok(())` when all are finished, or `Err(i)` with the first unfinished
+/// index, so that a caller waiting in slices resumes where it stopped.
+pub fn wait_all<T, E>(
+    futures: &[Future<T, E>],
+    start: usize,
+    deadline: Option<Instant>,
+) -> Result<(), usize> {
+    for (i, future) in futures.iter().enumerate().skip(start) {
+        if !future.wait_until(deadline) {
+            return Err(i);
+        }
+    }
+    Ok(())
+}
+
+/// Indices of watched futures in the order they finish: the building block of
+/// `wait(FIRST_COMPLETED)` and `as_completed`, O(1) per completion however many
+/// futures are watched.
+pub struct CompletionQueue {
+    ready: Mutex<VecDeque<usize>>,
+    cond: Condvar,
+}
+
+impl CompletionQueue {
+    /// Watches `futures`; each one's index is queued when it finishes (at once if it has).
+    pub fn watch<T: 'static, E: 'static>(futures: &[Future<T, E>]) -> Arc<Self> {
+        let queue = Arc::new(CompletionQueue {
+            ready: Mutex::new(VecDeque::new()),
+            cond: Condvar::new(),
+        });
+        for (i, future) in futures.iter().enumerate() {
+            let q = Arc::clone(&queue);
+            future.add_done_callback(move |_| q.push(i));
+        }
+        queue
+    }
+
+    fn push(&self, index: usize) {
+        self.ready.lock().push_back(index);
+        self.cond.notify_all();
+    }
+
+    /// The next finished index, without blocking.
+    pub fn try_pop(&self) -> Option<usize> {
+        self.ready.lock().pop_front()
+    }
+
+    /// The next finished index, waiting until `deadline`; `None` on timeout.
+    pub fn pop_until(&self, deadline: Option<Instant>) -> Option<usize> {
+        let mut guard = self.ready.lock();
+        loop {
+            if let Some(i) = guard.pop_front() {
+                return Some(i);
+            }
+            match deadline {
+                None => self.cond.wait(&mut guard),
+                Some(deadline) => {
+                    if self.cond.wait_until(&mut guard, deadline).timed_out() {
+                        return guard.pop_front();
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::thread;
+    use std::time::Duration;
+
+    type F = Future<u64, String>;
+
+    #[test]
+    fn value_is_seen_by_every_waiter() {
+        let f = F::new();
+        let waiters: Vec<_> = (0..8)
+            .map(|_| {
+                let f = f.clone();
+                thread::spawn(move || {
+                    assert!(f.wait_until(None));
+                    match f.outcome() {
+                        Some(Outcome::Value(v)) => *v,
+                        other => panic!("unexpected {other:?}"),
+                    }
+                })
+            })
+            .collect();
+        thread::sleep(Duration::from_millis(20));
+        assert!(f.set_running());
+        assert_eq!(f.status(), Status::Running);
+        assert!(f.complete(Outcome::Value(42)));
+        for w in waiters {
+            assert_eq!(w.join().unwrap(), 42);
+        }
+        assert_eq!(f.status(), Status::Done);
+        assert!(
+            !f.complete(Outcome::Value(7)),
+            "a second completion is refused"
+        );
+        assert!(matches!(f.outcome(), Some(Outcome::Value(42))));
+    }
+
+    #[test]
+    fn timeout_returns_false_and_leaves_it_pending() {
+        let f = F::new();
+        let start = Instant::now();
+        assert!(!f.wait_until(Some(start + Duration::from_millis(30))));
+        assert!(start.elapsed() >= Duration::from_millis(30));
+        assert_eq!(f.status(), Status::Pending);
+    }
+
+    #[test]
+    fn cancel_only_before_running() {
+        let f = F::new();
+        assert!(f.cancel());
+        assert!(f.cancel(), "cancelling twice still answers true");
+        assert!(!f.set_running(), "a cancelled task must not run");
+        assert_eq!(f.status(), Status::Cancelled);
+
+        let g = F::new();
+        assert!(g.set_running());
+        assert!(!g.cancel());
+        assert!(g.complete(Outcome::Error("boom".into())));
+        assert_eq!(g.status(), Status::Failed);
+        assert!(!g.cancel());
+    }
+
+    #[test]
+    fn callbacks_run_once_before_and_after_completion() {
+        let f = F::new();
+        let seen = Arc::new(AtomicUsize::new(0));
+        let s = Arc::clone(&seen);
+        f.add_done_callback(move |o| {
+            if let Outcome::Value(v) = o {
+                s.fetch_add(*v as usize, Ordering::SeqCst);
+            }
+        });
+        f.complete(Outcome::Value(5));
+        let s = Arc::clone(&seen);
+        f.add_done_callback(move |o| {
+            if let Outcome::Value(v) = o {
+                s.fetch_add(*v as usize * 100, Ordering::SeqCst);
+            }
+        });
+        assert_eq!(seen.load(Ordering::SeqCst), 505);
+    }
+
+    #[test]
+    fn callback_may_touch_its_own_future() {
+        let f = F::new();
+        let g = f.clone();
+        let hit = Arc::new(AtomicUsize::new(0));
+        let h = Arc::clone(&hit);
+        f.add_done_callback(move |_| {
+            // Would deadlock if callbacks ran under the future's lock.
+            g.add_done_callback(move |_| {
+                h.fetch_add(1, Ordering::SeqCst);
+            });
+            assert!(g.wait_until(None));
+        });
+        f.complete(Outcome::Value(1));
+        assert_eq!(hit.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn wait_all_resumes_from_first_unfinished() {
+        let fs: Vec<F> = (0..4).map(|_| F::new()).collect();
+        fs[0].complete(Outcome::Value(0));
+        fs[1].complete(Outcome::Value(1));
+        let soon = Some(Instant::now() + Duration::from_millis(10));
+        assert_eq!(wait_all(&fs, 0, soon), Err(2));
+        fs[2].complete(Outcome::Value(2));
+        fs[3].complete(Outcome::Cancelled);
+        assert_eq!(wait_all(&fs, 2, None), Ok(()));
+    }
+
+    #[test]
+    fn completion_queue_follows_completion_order() {
+        let fs: Vec<F> = (0..5).map(|_| F::new()).collect();
+        fs[3].complete(Outcome::Value(3));
+        let q = CompletionQueue::watch(&fs);
+        assert_eq!(
+            q.try_pop(),
+            Some(3),
+            "already finished futures are queued at once"
+        );
+        assert_eq!(q.try_pop(), None);
+        for &i in &[4usize, 0, 2, 1] {
+            let f = fs[i].clone();
+            thread::spawn(move || {
+                f.complete(Outcome::Value(i as u64));
+            })
+            .join()
+            .unwrap();
+            assert_eq!(q.pop_until(None), Some(i));
+        }
+        let soon = Some(Instant::now() + Duration::from_millis(5));
+        assert_eq!(q.pop_until(soon), None);
+    }
+
+    #[test]
+    fn many_threads_many_futures() {
+        let fs: Vec<F> = (0..10_000).map(|_| F::new()).collect();
+        let producers: Vec<_> = (0..4)
+            .map(|t| {
+                let fs = fs.clone();
+                thread::spawn(move || {
+                    for (i, f) in fs.iter().enumerate().filter(|(i, _)| i % 4 == t) {
+                        assert!(f.set_running());
+                        f.complete(Outcome::Value(i as u64 * 3));
+                    }
+                })
+            })
+            .collect();
+        assert_eq!(wait_all(&fs, 0, None), Ok(()));
+        for p in producers {
+            p.join().unwrap();
+        }
+        for (i, f) in fs.iter().enumerate() {
+            assert!(matches!(f.outcome(), Some(Outcome::Value(v)) if *v == i as u64 * 3));
+        }
+    }
+}

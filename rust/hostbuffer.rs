@@ -1,0 +1,321 @@
+//! `HostBuffer`: aligned host memory owned by the core, exposed to Python
+//! through the buffer protocol (for `readinto`, `recv_into`, numpy views) and
+//! through DLPack (for a zero-copy hand-off to JAX).
+
+use crate::buffer::{self, AlignedBuf};
+use crate::dlpack::{self, DLDataType};
+use crate::error::Error;
+use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+use std::ffi::{c_int, CString};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+static UNIT_STRIDE: [isize; 1] = [1];
+
+/// 64-byte-aligned, C-contiguous host memory of a fixed shape and dtype.
+#[pyclass(frozen, module = "async_array._core")]
+pub struct HostBuffer {
+    memory: Arc<AlignedBuf>,
+    shape: Vec<usize>,
+    dtype: Py<PyAny>,
+    itemsize: usize,
+    /// PEP 3118 format, when the dtype has one (bfloat16 has none).
+    format: Option<CString>,
+    dl_dtype: DLDataType,
+    /// Element-typed shape and strides, in bytes, for typed buffer views.
+    view_shape: Vec<isize>,
+    view_strides: Vec<isize>,
+    /// The same memory as flat bytes, for views that ask for no format.
+    byte_shape: [isize; 1],
+    exported: AtomicBool,
+}
+
+impl HostBuffer {
+    pub fn nbytes(&self) -> usize {
+        self.memory.len()
+    }
+}
+
+#[pymethods]
+impl HostBuffer {
+    /// Allocates the buffer. Called by `async_array.empty`, which works out the
+    /// dtype's description; `format` is None for dtypes without a PEP 3118 code.
+    #[new]
+    #[pyo3(signature = (shape, dtype, itemsize, format, dl_code, dl_bits))]
+    fn new(
+        shape: Vec<usize>,
+        dtype: Py<PyAny>,
+        itemsize: usize,
+        format: Option<String>,
+        dl_code: u8,
+        dl_bits: u8,
+    ) -> PyResult<Self> {
+        let nbytes = shape
+            .iter()
+            .try_fold(itemsize, |acc, &d| acc.checked_mul(d))
+            .filter(|&n| n <= isize::MAX as usize)
+            .ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "HostBuffer of shape {shape:?} and itemsize {itemsize} overflows the address space"
+                ))
+            })?;
+        let memory = AlignedBuf::uninit(nbytes).ok_or(Error::OutOfMemory(nbytes))?;
+        let mut view_strides = vec![0isize; shape.len()];
+        let mut stride = itemsize as isize;
+        for (s, &d) in view_strides.iter_mut().zip(&shape).rev() {
+            *s = stride;
+            stride *= d as isize;
+        }
+        Ok(HostBuffer {
+            memory: Arc::new(memory),
+            view_shape: shape.iter().map(|&d| d as isize).collect(),
+            shape,
+            dtype,
+            itemsize,
+            format: format.map(CString::new).transpose()?,
+            dl_dtype: DLDataType {
+                code: dl_code,
+                bits: dl_bits,
+                lanes: 1,
+            },
+            view_strides,
+            byte_shape: [nbytes as isize],
+            exported: AtomicBool::new(false),
+        })
+    }
+
+    /// The shape, in elements.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.shape)
+    }
+
+    /// The numpy dtype of the elements.
+    #[getter]
+    fn dtype(&self, py: Python<'_>) -> Py<PyAny> {
+        self.dtype.clone_ref(py)
+    }
+
+    #[getter]
+    fn ndim(&self) -> usize {
+        self.shape.len()
+    }
+
+    #[getter]
+    fn size(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Size in bytes.
+    #[getter(nbytes)]
+    fn py_nbytes(&self) -> usize {
+        self.nbytes()
+    }
+
+    #[getter]
+    fn itemsize(&self) -> usize {
+        self.itemsize
+    }
+
+    /// Address of the first byte (a multiple of 64).
+    #[getter]
+    fn address(&self) -> usize {
+        self.memory.as_ptr() as usize
+    }
+
+    /// True once the memory was handed to JAX: new writable views are refused.
+    #[getter]
+    fn exported(&self) -> bool {
+        self.exported.load(Ordering::Acquire)
+    }
+
+    /// Marks the memory as handed over: from now on only read-only views.
+    fn mark_exported(&self) {
+        self.exported.store(true, Ordering::Release);
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        self.shape
+            .first()
+            .copied()
+            .ok_or_else(|| pyo3::exceptions::PyTypeError::new_err("len() of a 0-d HostBuffer"))
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let dtype = self.dtype.bind(py).str()?;
+        let state = if self.exported() { ", exported" } else { "" };
+        Ok(format!(
+            "HostBuffer(shape={:?}, dtype={dtype}, nbytes={}{state})",
+            self.shape,
+            self.nbytes()
+        ))
+    }
+
+    /// DLPack export (the array API's `__dlpack__`). Only CPU, no copy; marks the
+    /// buffer exported, since the consumer now reads this memory directly.
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        slf: &Bound<'py, Self>,
+        stream: Option<Bound<'py, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let this = slf.get();
+        if stream.is_some_and(|s| !s.is_none()) {
+            return Err(PyBufferError::new_err(
+                "HostBuffer.__dlpack__: host memory takes no stream; pass stream=None",
+            ));
+        }
+        if let Some(dev) = dl_device {
+            if dev != (dlpack::KDL_CPU, 0) {
+                return Err(PyBufferError::new_err(format!(
+                    "HostBuffer.__dlpack__: memory is on the CPU (device (1, 0)); dl_device={dev:?} asks for another"
+                )));
+            }
+        }
+        if copy == Some(true) {
+            return Err(PyBufferError::new_err(
+                "HostBuffer.__dlpack__: copy=True is not offered; copy with np.array(buf) instead",
+            ));
+        }
+        this.mark_exported();
+        dlpack::export(
+            slf.py(),
+            dlpack::Export {
+                memory: &this.memory,
+                shape: &this.shape,
+                dtype: this.dl_dtype,
+                read_only: false,
+                versioned: max_version.is_some_and(|(major, _)| major >= 1),
+            },
+        )
+    }
+
+    /// A numpy view of the memory (no copy unless `copy=True` or another `dtype`
+    /// is asked for). Read-only once the buffer is exported. numpy takes the
+    /// buffer protocol first; this serves dtypes that have no PEP 3118 code.
+    #[pyo3(signature = (dtype=None, copy=None))]
+    fn __array__<'py>(
+        slf: &Bound<'py, Self>,
+        dtype: Option<Bound<'py, PyAny>>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let this = slf.get();
+        let bytes = ByteView {
+            owner: slf.clone().unbind(),
+        };
+        let np = py.import("numpy")?;
+        let mut array = np
+            .call_method1("asarray", (Py::new(py, bytes)?,))?
+            .call_method1("view", (this.dtype.bind(py),))?
+            .call_method1("reshape", (PyTuple::new(py, &this.shape)?,))?;
+        if let Some(dtype) = dtype.filter(|d| !d.is_none()) {
+            array = array.call_method1("astype", (dtype,))?;
+        } else if copy == Some(true) {
+            array = array.call_method0("copy")?;
+        }
+        Ok(array)
+    }
+
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (dlpack::KDL_CPU, 0)
+    }
+
+    /// Buffer protocol. With a format request, a typed N-d view (refused for
+    /// dtypes that have no PEP 3118 code, so numpy falls back to `__array__`);
+    /// without one, flat bytes, which is what `readinto` and `recv_into` ask for.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let this = slf.get();
+        if view.is_null() {
+            return Err(PyBufferError::new_err("HostBuffer: no view to fill"));
+        }
+        let writable = flags & ffi::PyBUF_WRITABLE != 0;
+        let exported = this.exported();
+        if writable && exported {
+            return Err(PyBufferError::new_err(
+                "HostBuffer was handed to JAX (zero-copy) and is now read-only; \
+                 allocate a new buffer with async_array.empty() to write",
+            ));
+        }
+        let typed = flags & ffi::PyBUF_FORMAT != 0;
+        if typed && this.format.is_none() {
+            return Err(PyBufferError::new_err(
+                "HostBuffer: this dtype has no PEP 3118 format; use np.asarray(buf)",
+            ));
+        }
+        // SAFETY: `view` is non-null (checked); every pointer stored in it
+        // points into `this`, which the view keeps alive through `obj`.
+        unsafe {
+            let v = &mut *view;
+            v.buf = this.memory.as_ptr().cast();
+            v.len = this.nbytes() as isize;
+            v.readonly = exported as c_int;
+            v.suboffsets = std::ptr::null_mut();
+            v.internal = std::ptr::null_mut();
+            if typed {
+                v.itemsize = this.itemsize as isize;
+                v.format = this
+                    .format
+                    .as_ref()
+                    .map_or(std::ptr::null(), |f| f.as_ptr()) as *mut _;
+                v.ndim = this.shape.len() as c_int;
+                v.shape = this.view_shape.as_ptr() as *mut _;
+                v.strides = this.view_strides.as_ptr() as *mut _;
+            } else {
+                v.itemsize = 1;
+                v.format = std::ptr::null_mut();
+                v.ndim = 1;
+                v.shape = if flags & ffi::PyBUF_ND != 0 {
+                    this.byte_shape.as_ptr() as *mut _
+                } else {
+                    std::ptr::null_mut()
+                };
+                v.strides = if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES {
+                    UNIT_STRIDE.as_ptr() as *mut _
+                } else {
+                    std::ptr::null_mut()
+                };
+            }
+            v.obj = slf.into_any().into_ptr();
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// The memory of a `HostBuffer` as flat bytes, through numpy's
+/// `__array_interface__`; the numpy array it makes keeps the buffer alive.
+#[pyclass(frozen, module = "async_array._core")]
+struct ByteView {
+    owner: Py<HostBuffer>,
+}
+
+#[pymethods]
+impl ByteView {
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let buf = self.owner.get();
+        let d = PyDict::new(py);
+        d.set_item("shape", (buf.nbytes(),))?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("data", (buf.memory.as_ptr() as usize, buf.exported()))?;
+        d.set_item("version", 3)?;
+        Ok(d)
+    }
+}
+
+/// How many aligned host allocations are alive (for leak tests).
+#[pyfunction]
+pub fn live_host_buffers() -> usize {
+    buffer::live_buffers()
+}

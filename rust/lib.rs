@@ -1,0 +1,32 @@
+//! async_array's Rust core: the worker pool, futures, waits, aligned host
+//! buffers and DLPack export. This file only wires the Python module.
+
+pub mod buffer;
+pub mod dlpack;
+pub mod error;
+pub mod future;
+pub mod hostbuffer;
+pub mod pool;
+pub mod pyfuture;
+pub mod wait;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<pyfuture::PyFuture>()?;
+    m.add_class::<pyfuture::Watcher>()?;
+    m.add_class::<hostbuffer::HostBuffer>()?;
+    m.add_function(wrap_pyfunction!(pyfuture::submit, m)?)?;
+    m.add_function(wrap_pyfunction!(pyfuture::wait_all, m)?)?;
+    m.add_function(wrap_pyfunction!(pyfuture::configure, m)?)?;
+    m.add_function(wrap_pyfunction!(pyfuture::pool_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(pyfuture::shutdown, m)?)?;
+    m.add_function(wrap_pyfunction!(pyfuture::_before_fork, m)?)?;
+    m.add_function(wrap_pyfunction!(pyfuture::_after_fork_parent, m)?)?;
+    m.add_function(wrap_pyfunction!(pyfuture::_after_fork_child, m)?)?;
+    m.add_function(wrap_pyfunction!(pyfuture::_submit_rust_panic, m)?)?;
+    m.add_function(wrap_pyfunction!(hostbuffer::live_host_buffers, m)?)?;
+    Ok(())
+}

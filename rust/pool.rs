@@ -1,0 +1,428 @@
+//! A fixed-size worker pool with a FIFO queue.
+//!
+//! Plain Rust (no pyo3 types). Threads start lazily, up to `max_workers` busy at
+//! once. A worker that blocks on another future (through [`Pool::blocking`])
+//! stops counting as busy, and the pool starts a stand-in thread when work is
+//! queued: so `max_workers = 1` and a task that waits on a queued task cannot
+//! deadlock. Stand-ins retire once the pool is back under its size.
+
+use parking_lot::{Condvar, Mutex};
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+/// One unit of work. `cancel` is called instead of `run` for work that will
+/// never run (the pool shut down while it was queued).
+pub trait Job: Send + 'static {
+    fn run(self: Box<Self>);
+    fn cancel(self: Box<Self>);
+    /// Something to fail if this job's thread vanishes while it runs (after
+    /// `fork`, the child has none of the parent's threads).
+    fn abandon_handle(&self) -> Option<Arc<dyn Abandon>> {
+        None
+    }
+}
+
+/// Fails the future of a job whose thread no longer exists.
+pub trait Abandon: Send + Sync {
+    fn abandon(&self);
+}
+
+/// Why a job was not queued.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SubmitError {
+    ShutDown,
+}
+
+struct State {
+    queue: VecDeque<Box<dyn Job>>,
+    max_workers: usize,
+    threads: usize,
+    /// Sleeping workers not yet woken; a submitter that wakes one takes it off.
+    sleeping: usize,
+    /// Workers inside `blocking`.
+    blocked: usize,
+    shutdown: bool,
+    /// What each running job would need failing after `fork`, by worker slot.
+    running: Vec<Option<Arc<dyn Abandon>>>,
+    free_slots: Vec<usize>,
+    spawned_total: usize,
+}
+
+struct Inner {
+    state: Mutex<State>,
+    work: Condvar,
+    name: String,
+}
+
+/// Counters for tests and benchmarks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolStats {
+    pub max_workers: usize,
+    pub threads: usize,
+    pub idle: usize,
+    pub blocked: usize,
+    pub queued: usize,
+    pub spawned_total: usize,
+}
+
+#[derive(Clone)]
+pub struct Pool {
+    inner: Arc<Inner>,
+}
+
+thread_local! {
+    static IS_WORKER: Cell<bool> = const { Cell::new(false) };
+}
+
+/// True on a pool worker thread.
+pub fn on_worker_thread() -> bool {
+    IS_WORKER.with(|w| w.get())
+}
+
+impl Pool {
+    pub fn new(name: &str, max_workers: usize) -> Self {
+        Pool {
+            inner: Arc::new(Inner {
+                state: Mutex::new(State {
+                    queue: VecDeque::new(),
+                    max_workers: max_workers.max(1),
+                    threads: 0,
+                    sleeping: 0,
+                    blocked: 0,
+                    shutdown: false,
+                    running: Vec::new(),
+                    free_slots: Vec::new(),
+                    spawned_total: 0,
+                }),
+                work: Condvar::new(),
+                name: name.to_owned(),
+            }),
+        }
+    }
+
+    /// Queues `job`; it runs on a worker in FIFO order.
+    pub fn submit(&self, job: Box<dyn Job>) -> Result<(), SubmitError> {
+        let mut st = self.inner.state.lock();
+        if st.shutdown {
+            drop(st);
+            job.cancel();
+            return Err(SubmitError::ShutDown);
+        }
+        st.queue.push_back(job);
+        self.wake_or_spawn(&mut st);
+        Ok(())
+    }
+
+    fn wake_or_spawn(&self, st: &mut State) {
+        if st.sleeping > 0 {
+            st.sleeping -= 1;
+            self.inner.work.notify_one();
+        } else if st.threads - st.blocked < st.max_workers {
+            self.spawn(st);
+        }
+    }
+
+    fn spawn(&self, st: &mut State) {
+        let slot = st.free_slots.pop().unwrap_or_else(|| {
+            st.running.push(None);
+            st.running.len() - 1
+        });
+        let pool = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("{}-{}", self.inner.name, slot))
+            .spawn(move || pool.worker(slot));
+        match spawned {
+            Ok(_) => {
+                st.threads += 1;
+                st.spawned_total += 1;
+            }
+            // Out of threads: the queued work waits for a running worker.
+            Err(_) => st.free_slots.push(slot),
+        }
+    }
+
+    fn worker(&self, slot: usize) {
+        IS_WORKER.with(|w| w.set(true));
+        let mut st = self.inner.state.lock();
+        loop {
+            // Retire first: a worker back from `blocking` may leave the pool over size.
+            if st.shutdown || st.threads - st.blocked > st.max_workers {
+                st.threads -= 1;
+                st.free_slots.push(slot);
+                return;
+            }
+            if let Some(job) = st.queue.pop_front() {
+                st.running[slot] = job.abandon_handle();
+                drop(st);
+                job.run();
+                st = self.inner.state.lock();
+                st.running[slot] = None;
+                continue;
+            }
+            st.sleeping += 1;
+            self.inner.work.wait(&mut st);
+        }
+    }
+
+    /// Runs `wait` (which blocks on something that other pool work may produce).
+    /// On a worker thread the pool counts this worker as blocked and starts a
+    /// stand-in when work is queued, so the pool never deadlocks on itself.
+    pub fn blocking<R>(&self, wait: impl FnOnce() -> R) -> R {
+        if !on_worker_thread() {
+            return wait();
+        }
+        {
+            let mut st = self.inner.state.lock();
+            st.blocked += 1;
+            if !st.queue.is_empty() && st.sleeping == 0 && st.threads - st.blocked < st.max_workers
+            {
+                self.spawn(&mut st);
+            }
+        }
+        struct Unblock<'a>(&'a Pool);
+        impl Drop for Unblock<'_> {
+            fn drop(&mut self) {
+                self.0.inner.state.lock().blocked -= 1;
+            }
+        }
+        let _unblock = Unblock(self);
+        wait()
+    }
+
+    /// Changes the number of workers that may run at once.
+    pub fn set_max_workers(&self, max_workers: usize) {
+        let mut st = self.inner.state.lock();
+        st.max_workers = max_workers.max(1);
+        let startable = st
+            .queue
+            .len()
+            .min(st.max_workers.saturating_sub(st.threads - st.blocked));
+        for _ in 0..startable {
+            self.spawn(&mut st);
+        }
+        if st.threads - st.blocked > st.max_workers && st.sleeping > 0 {
+            // Surplus sleepers wake to retire.
+            st.sleeping = 0;
+            self.inner.work.notify_all();
+        }
+    }
+
+    pub fn max_workers(&self) -> usize {
+        self.inner.state.lock().max_workers
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        let st = self.inner.state.lock();
+        PoolStats {
+            max_workers: st.max_workers,
+            threads: st.threads,
+            idle: st.sleeping,
+            blocked: st.blocked,
+            queued: st.queue.len(),
+            spawned_total: st.spawned_total,
+        }
+    }
+
+    /// Cancels queued work and lets workers exit once their running job ends;
+    /// waits for nothing. Later submissions are refused.
+    pub fn shutdown(&self) {
+        let queued = {
+            let mut st = self.inner.state.lock();
+            st.shutdown = true;
+            st.sleeping = 0;
+            self.inner.work.notify_all();
+            std::mem::take(&mut st.queue)
+        };
+        for job in queued {
+            job.cancel();
+        }
+    }
+
+    /// Holds the pool's lock across `fork()`, so the child never inherits it
+    /// mid-update. Pair with [`Pool::after_fork_parent`] or [`Pool::after_fork_child`].
+    pub fn before_fork(&self) {
+        std::mem::forget(self.inner.state.lock());
+    }
+
+    pub fn after_fork_parent(&self) {
+        // SAFETY: `before_fork` left the lock held by this thread.
+        unsafe { self.inner.state.force_unlock() };
+    }
+
+    /// In the child only the forking thread exists: forget the parent's
+    /// workers, fail the jobs they were running, and start threads for what is
+    /// still queued.
+    pub fn after_fork_child(&self) {
+        // SAFETY: the lock was taken in `before_fork`; this is that thread's copy.
+        unsafe { self.inner.state.force_unlock() };
+        let abandoned: Vec<Arc<dyn Abandon>> = {
+            let mut st = self.inner.state.lock();
+            st.threads = 0;
+            st.sleeping = 0;
+            st.blocked = 0;
+            st.free_slots = (0..st.running.len()).rev().collect();
+            let abandoned = st.running.iter_mut().filter_map(Option::take).collect();
+            let startable = st.queue.len().min(st.max_workers);
+            for _ in 0..startable {
+                self.spawn(&mut st);
+            }
+            abandoned
+        };
+        for job in abandoned {
+            job.abandon();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::future::{Future, Outcome};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
+
+    type F = Future<usize, String>;
+
+    struct Task<G: FnOnce() -> usize + Send + 'static> {
+        f: G,
+        future: F,
+    }
+
+    impl<G: FnOnce() -> usize + Send + 'static> Job for Task<G> {
+        fn run(self: Box<Self>) {
+            if self.future.set_running() {
+                let v = (self.f)();
+                self.future.complete(Outcome::Value(v));
+            }
+        }
+        fn cancel(self: Box<Self>) {
+            self.future.cancel();
+        }
+    }
+
+    fn submit(pool: &Pool, f: impl FnOnce() -> usize + Send + 'static) -> F {
+        let future = F::new();
+        pool.submit(Box::new(Task {
+            f,
+            future: future.clone(),
+        }))
+        .unwrap();
+        future
+    }
+
+    fn value(f: &F) -> usize {
+        assert!(f.wait_until(Some(Instant::now() + Duration::from_secs(10))));
+        match f.outcome() {
+            Some(Outcome::Value(v)) => *v,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn runs_everything_in_fifo_order_on_one_worker() {
+        let pool = Pool::new("t", 1);
+        let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let fs: Vec<F> = (0..100)
+            .map(|i| {
+                let order = Arc::clone(&order);
+                submit(&pool, move || {
+                    order.lock().push(i);
+                    i * 2
+                })
+            })
+            .collect();
+        for (i, f) in fs.iter().enumerate() {
+            assert_eq!(value(f), i * 2);
+        }
+        assert_eq!(*order.lock(), (0..100).collect::<Vec<_>>());
+        assert_eq!(pool.stats().spawned_total, 1);
+    }
+
+    #[test]
+    fn never_more_than_max_workers_busy() {
+        let pool = Pool::new("t", 3);
+        let busy = Arc::new(AtomicUsize::new(0));
+        let peak = Arc::new(AtomicUsize::new(0));
+        let fs: Vec<F> = (0..30)
+            .map(|_| {
+                let (busy, peak) = (Arc::clone(&busy), Arc::clone(&peak));
+                submit(&pool, move || {
+                    let now = busy.fetch_add(1, Ordering::SeqCst) + 1;
+                    peak.fetch_max(now, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(5));
+                    busy.fetch_sub(1, Ordering::SeqCst);
+                    0
+                })
+            })
+            .collect();
+        fs.iter().for_each(|f| assert_eq!(value(f), 0));
+        assert_eq!(peak.load(Ordering::SeqCst), 3);
+        assert!(pool.stats().threads <= 3);
+    }
+
+    #[test]
+    fn one_worker_waiting_on_queued_work_does_not_deadlock() {
+        let pool = Pool::new("t", 1);
+        let p = pool.clone();
+        let outer = submit(&pool, move || {
+            let inner = submit(&p, || 41);
+            let p2 = p.clone();
+            p2.blocking(|| value(&inner)) + 1
+        });
+        assert_eq!(value(&outer), 42);
+        // The stand-in retires once nothing is blocked.
+        std::thread::sleep(Duration::from_millis(50));
+        let st = pool.stats();
+        assert_eq!((st.blocked, st.max_workers), (0, 1));
+        assert!(st.spawned_total >= 2);
+    }
+
+    #[test]
+    fn shutdown_cancels_queued_and_refuses_new() {
+        let pool = Pool::new("t", 1);
+        let gate = Arc::new(parking_lot::Mutex::new(()));
+        let held = gate.lock();
+        let g = Arc::clone(&gate);
+        let running = submit(&pool, move || {
+            drop(g.lock());
+            1
+        });
+        let queued = submit(&pool, || 2);
+        while pool.stats().queued != 1 {
+            std::thread::yield_now();
+        }
+        pool.shutdown();
+        assert!(matches!(queued.outcome(), Some(Outcome::Cancelled)));
+        drop(held);
+        assert_eq!(value(&running), 1, "running work finishes");
+        let refused = pool.submit(Box::new(Task {
+            f: || 3,
+            future: F::new(),
+        }));
+        assert_eq!(refused, Err(SubmitError::ShutDown));
+    }
+
+    #[test]
+    fn resizing_starts_threads_for_queued_work() {
+        let pool = Pool::new("t", 1);
+        let gate = Arc::new(parking_lot::Mutex::new(()));
+        let held = gate.lock();
+        let fs: Vec<F> = (0..4)
+            .map(|i| {
+                let g = Arc::clone(&gate);
+                submit(&pool, move || {
+                    drop(g.lock());
+                    i
+                })
+            })
+            .collect();
+        pool.set_max_workers(4);
+        assert_eq!(pool.max_workers(), 4);
+        assert_eq!(pool.stats().threads, 4);
+        drop(held);
+        for (i, f) in fs.iter().enumerate() {
+            assert_eq!(value(f), i);
+        }
+    }
+}

@@ -1,0 +1,382 @@
+//! Python bindings of the pool and futures: `submit`, `Future`, `wait_all`,
+//! `Watcher`, `configure`, and the interpreter-exit and fork hooks.
+
+use crate::error::{Error, TaskError};
+use crate::future::{self, CompletionQueue, Outcome, Status};
+use crate::pool::{Abandon, Job, Pool};
+use crate::wait::{deadline_after, wait_detached};
+use pyo3::exceptions::PyTimeoutError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple};
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, OnceLock};
+
+type CoreFuture = future::Future<Py<PyAny>, TaskError>;
+
+static POOL: OnceLock<Pool> = OnceLock::new();
+
+/// The process-wide pool; `configure` resizes it.
+pub fn pool() -> &'static Pool {
+    POOL.get_or_init(|| {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Pool::new("async-array", (cpus + 4).min(32))
+    })
+}
+
+/// A handle to one task's result, shaped like `concurrent.futures.Future`.
+/// Every wait releases the GIL and checks for signals every 50 ms.
+#[pyclass(frozen, name = "Future", module = "async_array._core")]
+pub struct PyFuture {
+    inner: CoreFuture,
+}
+
+impl PyFuture {
+    fn timed_wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        if self.inner.is_finished() {
+            return Ok(true);
+        }
+        let deadline = deadline_after(timeout)?;
+        let f = &self.inner;
+        Ok(wait_detached(py, pool(), deadline, |slice| {
+            f.wait_until(slice).then_some(())
+        })?
+        .is_some())
+    }
+
+    fn finished_or_timeout(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+    ) -> PyResult<&Outcome<Py<PyAny>, TaskError>> {
+        if !self.timed_wait(py, timeout)? {
+            return Err(PyTimeoutError::new_err(format!(
+                "async_array: task not finished after {} s",
+                timeout.unwrap_or_default()
+            )));
+        }
+        Ok(self.inner.outcome().expect("finished"))
+    }
+}
+
+#[pymethods]
+impl PyFuture {
+    /// True once finished, failed or cancelled. Never blocks.
+    fn done(&self) -> bool {
+        self.inner.is_finished()
+    }
+
+    fn running(&self) -> bool {
+        self.inner.status() == Status::Running
+    }
+
+    fn cancelled(&self) -> bool {
+        self.inner.status() == Status::Cancelled
+    }
+
+    /// One of "pending", "running", "done", "failed", "cancelled".
+    #[getter]
+    fn status(&self) -> &'static str {
+        match self.inner.status() {
+            Status::Pending => "pending",
+            Status::Running => "running",
+            Status::Done => "done",
+            Status::Failed => "failed",
+            Status::Cancelled => "cancelled",
+        }
+    }
+
+    /// Cancels the task if it has not started; True if it is cancelled.
+    fn cancel(&self) -> bool {
+        self.inner.cancel()
+    }
+
+    /// Blocks up to `timeout` seconds (None: forever); True when finished.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        self.timed_wait(py, timeout)
+    }
+
+    /// The task's return value. Raises what the task raised (the same object,
+    /// its traceback as it left the task), `TimeoutError` after `timeout`
+    /// seconds, or `concurrent.futures.CancelledError`.
+    #[pyo3(signature = (timeout=None))]
+    fn result(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        match self.finished_or_timeout(py, timeout)? {
+            Outcome::Value(v) => Ok(v.clone_ref(py)),
+            Outcome::Error(e) => Err(e.to_pyerr(py)),
+            Outcome::Cancelled => Err(Error::Cancelled.into()),
+        }
+    }
+
+    /// What the task raised, or None if it returned.
+    #[pyo3(signature = (timeout=None))]
+    fn exception(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyAny>>> {
+        match self.finished_or_timeout(py, timeout)? {
+            Outcome::Value(_) => Ok(None),
+            Outcome::Error(e) => Ok(Some(e.to_pyerr(py).into_value(py).into_any())),
+            Outcome::Cancelled => Err(Error::Cancelled.into()),
+        }
+    }
+
+    /// Calls `fn(future)` once finished (at once, here, if it is). An exception
+    /// from `fn` is logged to the `async_array` logger, never lost.
+    fn add_done_callback(slf: &Bound<'_, Self>, func: Py<PyAny>) {
+        let me = slf.clone().unbind();
+        slf.get().inner.add_done_callback(move |_| {
+            Python::try_attach(|py| {
+                if let Err(err) = func.bind(py).call1((me.bind(py),)) {
+                    log_callback_error(py, &func, err);
+                }
+            });
+        });
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<async_array._core.Future {}>", self.status())
+    }
+}
+
+static LOGGER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// Logs an exception raised by a done-callback, as `concurrent.futures` does.
+fn log_callback_error(py: Python<'_>, func: &Py<PyAny>, err: PyErr) {
+    let logged = LOGGER
+        .get_or_try_init(py, || -> PyResult<_> {
+            Ok(py
+                .import("logging")?
+                .call_method1("getLogger", ("async_array",))?
+                .unbind())
+        })
+        .and_then(|logger| {
+            let kwargs = PyDict::new(py);
+            kwargs.set_item("exc_info", err.value(py))?;
+            logger.bind(py).call_method(
+                "error",
+                ("async_array: exception in done-callback %r", func.bind(py)),
+                Some(&kwargs),
+            )
+        });
+    if logged.is_err() {
+        err.write_unraisable(py, Some(func.bind(py)));
+    }
+}
+
+/// Fails a future whose worker vanished (the fork child has no such thread).
+struct AbandonFuture(CoreFuture);
+
+impl Abandon for AbandonFuture {
+    fn abandon(&self) {
+        self.0
+            .complete(Outcome::Error(TaskError::Core(Error::Abandoned)));
+    }
+}
+
+/// A Python call to run on the pool.
+struct PyTask {
+    func: Py<PyAny>,
+    args: Py<PyTuple>,
+    future: CoreFuture,
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}
+
+impl Job for PyTask {
+    fn run(self: Box<Self>) {
+        let PyTask { func, args, future } = *self;
+        if !future.set_running() {
+            return;
+        }
+        let f = future.clone();
+        let ran = std::panic::catch_unwind(AssertUnwindSafe(move || {
+            Python::try_attach(|py| {
+                let outcome = match func.bind(py).call1(args.bind(py)) {
+                    Ok(v) => Outcome::Value(v.unbind()),
+                    Err(e) => Outcome::Error(TaskError::from_pyerr(py, e)),
+                };
+                // Let go of the callable (and what its closure holds) before waking waiters.
+                drop((func, args));
+                f.complete(outcome);
+            })
+        }));
+        match ran {
+            Ok(Some(())) => {}
+            // The interpreter is finalizing: no Python can run any more.
+            Ok(None) => {
+                future.complete(Outcome::Error(TaskError::Core(Error::ShutDown)));
+            }
+            Err(payload) => {
+                future.complete(Outcome::Error(TaskError::Core(Error::Panic(
+                    panic_message(&*payload),
+                ))));
+            }
+        }
+    }
+
+    fn cancel(self: Box<Self>) {
+        self.future.cancel();
+    }
+
+    fn abandon_handle(&self) -> Option<Arc<dyn Abandon>> {
+        Some(Arc::new(AbandonFuture(self.future.clone())))
+    }
+}
+
+/// Runs `func(*args)` on the pool; returns its `Future` at once.
+#[pyfunction]
+#[pyo3(signature = (func, *args))]
+pub fn submit(func: Py<PyAny>, args: Py<PyTuple>) -> PyResult<PyFuture> {
+    let future = CoreFuture::new();
+    pool()
+        .submit(Box::new(PyTask {
+            func,
+            args,
+            future: future.clone(),
+        }))
+        .map_err(|_| Error::ShutDown)?;
+    Ok(PyFuture { inner: future })
+}
+
+/// A task that panics in Rust, to test that a panic reaches Python as an
+/// ordinary `RuntimeError` and leaves the worker alive.
+#[pyfunction]
+pub fn _submit_rust_panic(message: String) -> PyResult<PyFuture> {
+    struct PanicTask(String, CoreFuture);
+    impl Job for PanicTask {
+        fn run(self: Box<Self>) {
+            let PanicTask(message, future) = *self;
+            future.set_running();
+            let hook = std::panic::take_hook();
+            std::panic::set_hook(Box::new(|_| {}));
+            let caught = std::panic::catch_unwind(move || -> () { panic!("{message}") });
+            std::panic::set_hook(hook);
+            if let Err(payload) = caught {
+                future.complete(Outcome::Error(TaskError::Core(Error::Panic(
+                    panic_message(&*payload),
+                ))));
+            }
+        }
+        fn cancel(self: Box<Self>) {
+            self.1.cancel();
+        }
+    }
+    let future = CoreFuture::new();
+    pool()
+        .submit(Box::new(PanicTask(message, future.clone())))
+        .map_err(|_| Error::ShutDown)?;
+    Ok(PyFuture { inner: future })
+}
+
+fn core_futures(futures: &[PyRef<'_, PyFuture>]) -> Vec<CoreFuture> {
+    futures.iter().map(|f| f.inner.clone()).collect()
+}
+
+/// Blocks until every future is finished, in one GIL-free wait, or until
+/// `timeout` seconds pass. True when all are finished.
+#[pyfunction]
+#[pyo3(signature = (futures, timeout=None))]
+pub fn wait_all(
+    py: Python<'_>,
+    futures: Vec<PyRef<'_, PyFuture>>,
+    timeout: Option<f64>,
+) -> PyResult<bool> {
+    let futures = core_futures(&futures);
+    let mut next = match futures.iter().position(|f| !f.is_finished()) {
+        None => return Ok(true),
+        Some(i) => i,
+    };
+    let deadline = deadline_after(timeout)?;
+    let done = wait_detached(py, pool(), deadline, |slice| {
+        match future::wait_all(&futures, next, slice) {
+            Ok(()) => Some(()),
+            Err(i) => {
+                next = i;
+                None
+            }
+        }
+    })?;
+    Ok(done.is_some())
+}
+
+/// Yields the indices of `futures` in the order they finish; each `next`
+/// is one GIL-free wait. The basis of `wait(FIRST_COMPLETED)` and `as_completed`.
+#[pyclass(frozen, module = "async_array._core")]
+pub struct Watcher {
+    queue: Arc<CompletionQueue>,
+}
+
+#[pymethods]
+impl Watcher {
+    #[new]
+    fn new(futures: Vec<PyRef<'_, PyFuture>>) -> Self {
+        Watcher {
+            queue: CompletionQueue::watch(&core_futures(&futures)),
+        }
+    }
+
+    /// The index of the next future to finish, waiting up to `timeout`
+    /// seconds (None: forever; 0: do not wait). None on timeout.
+    #[pyo3(signature = (timeout=None))]
+    fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<usize>> {
+        if let Some(i) = self.queue.try_pop() {
+            return Ok(Some(i));
+        }
+        let deadline = deadline_after(timeout)?;
+        let q = &self.queue;
+        wait_detached(py, pool(), deadline, |slice| q.pop_until(slice))
+    }
+}
+
+/// Sets how many tasks run at once (at least 1).
+#[pyfunction]
+pub fn configure(max_workers: usize) -> PyResult<()> {
+    if max_workers == 0 {
+        return Err(Error::InvalidArgument("max_workers must be at least 1, got 0".into()).into());
+    }
+    pool().set_max_workers(max_workers);
+    Ok(())
+}
+
+/// The pool's counters: max_workers, threads, idle, blocked, queued, spawned_total.
+#[pyfunction]
+pub fn pool_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let s = pool().stats();
+    let d = PyDict::new(py);
+    d.set_item("max_workers", s.max_workers)?;
+    d.set_item("threads", s.threads)?;
+    d.set_item("idle", s.idle)?;
+    d.set_item("blocked", s.blocked)?;
+    d.set_item("queued", s.queued)?;
+    d.set_item("spawned_total", s.spawned_total)?;
+    Ok(d)
+}
+
+/// At interpreter exit: cancels queued tasks; running ones are not waited for.
+#[pyfunction]
+pub fn shutdown() {
+    pool().shutdown();
+}
+
+/// Holds the pool's lock across `os.fork()`. Called with the GIL held: the lock
+/// order everywhere is GIL, then pool lock, and no worker waits for the GIL
+/// while holding the pool lock.
+#[pyfunction]
+pub fn _before_fork() {
+    pool().before_fork();
+}
+
+#[pyfunction]
+pub fn _after_fork_parent() {
+    pool().after_fork_parent();
+}
+
+#[pyfunction]
+pub fn _after_fork_child() {
+    pool().after_fork_child();
+}
