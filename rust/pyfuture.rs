@@ -8,7 +8,7 @@ use crate::wait::{deadline_after, wait_detached};
 use pyo3::exceptions::PyTimeoutError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyDict, PyTraceback, PyTuple};
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, OnceLock};
 
@@ -61,6 +61,34 @@ impl PyFuture {
 
 #[pymethods]
 impl PyFuture {
+    /// A pending future that Python completes with `set_result` or
+    /// `set_exception` (for results produced inside another task).
+    #[new]
+    fn new() -> Self {
+        PyFuture {
+            inner: CoreFuture::new(),
+        }
+    }
+
+    /// Completes the future with `value`; False if it had already finished.
+    fn set_result(&self, value: Py<PyAny>) -> bool {
+        self.inner.complete(Outcome::Value(value))
+    }
+
+    /// Fails the future with `exception` (its traceback as it is now is the
+    /// one every waiter sees); False if it had already finished.
+    fn set_exception(&self, exception: Bound<'_, pyo3::exceptions::PyBaseException>) -> bool {
+        let traceback = exception
+            .getattr("__traceback__")
+            .ok()
+            .and_then(|tb| tb.cast_into::<PyTraceback>().ok())
+            .map(Bound::unbind);
+        self.inner.complete(Outcome::Error(TaskError::Python {
+            value: exception.unbind(),
+            traceback,
+        }))
+    }
+
     /// True once finished, failed or cancelled. Never blocks.
     fn done(&self) -> bool {
         self.inner.is_finished()

@@ -10,6 +10,7 @@ from . import _core
 from ._array import AsyncArray
 from ._buffer import empty
 from ._core import HostBuffer
+from ._map import async_map, async_stream
 from ._pool import configure, max_workers
 from ._tree import (
     ALL_COMPLETED,
@@ -33,6 +34,8 @@ __all__ = [
     "HostBuffer",
     "__version__",
     "as_completed",
+    "async_map",
+    "async_stream",
     "async_wrap",
     "configure",
     "empty",

@@ -160,7 +160,9 @@ def as_completed(tree: Any, timeout: float | None = None) -> Iterator[tuple[Any,
     for _ in p.futures:
         k = watcher.next(_remaining(deadline))
         if k is None:
-            pending = sum(len(p.leaves[j]) for j in range(len(p.futures)) if not p.futures[j].done())
+            pending = sum(
+                len(p.leaves[j]) for j in range(len(p.futures)) if not p.futures[j].done()
+            )
             raise TimeoutError(f"aa.as_completed: {pending} leaves not done after {timeout} s")
         for i in p.leaves[k]:
             path, leaf = p.paths[i]

@@ -348,13 +348,27 @@ def structure_error(specs: LeafSpecs, out: Any, cause: Exception) -> ValueError:
     )
 
 
-def convert_results(specs: LeafSpecs, holder: list[Any]) -> list[Any]:
-    """The per-leaf list a ``Source`` future holds: each entry a ``jax.Array``
-    or the exception that leaf alone failed with.
+def convert_one(specs: LeafSpecs, i: int, holder: list[Any]) -> Any:
+    """Leaf ``i``'s entry in a ``Source`` list: its ``jax.Array``, or the
+    exception it alone failed with.
 
-    ``holder`` is a one-item list with the function's result, taken out here so
-    that this frame holds the only reference and can tell what it may alias.
+    ``holder`` is a one-item list with the leaf's value, taken out here so that
+    this frame holds the only reference and can tell whether it may alias it.
     """
+    value = holder.pop()
+    exclusive = sys.getrefcount(value) <= _EXCLUSIVE_REFS
+    try:
+        return place(value, exclusive, specs.avals[i], specs.shardings[i], specs.committed[i], "")
+    except (ValueError, TypeError, OverflowError) as exc:
+        return type(exc)(f"{specs.where(i)}{exc}")
+    except Exception as exc:
+        exc.add_note(f"async_array: while converting {specs.where(i)}")
+        return exc
+
+
+def convert_results(specs: LeafSpecs, holder: list[Any]) -> list[Any]:
+    """The per-leaf list a ``Source`` future holds (see :func:`convert_one`),
+    from a one-item ``holder`` with the whole result."""
     out = holder.pop()
     if specs.treedef is None:
         values = [out]
@@ -364,20 +378,11 @@ def convert_results(specs: LeafSpecs, holder: list[Any]) -> list[Any]:
         except (ValueError, TypeError) as exc:
             raise structure_error(specs, out, exc) from None
     del out
-    avals, shardings, committed = specs.avals, specs.shardings, specs.committed
     results: list[Any] = [None] * len(values)
     for i in range(len(values)):
-        value = values[i]
+        one = [values[i]]
         values[i] = None
-        exclusive = sys.getrefcount(value) <= _EXCLUSIVE_REFS
-        try:
-            results[i] = place(value, exclusive, avals[i], shardings[i], committed[i], "")
-        except (ValueError, TypeError, OverflowError) as exc:
-            results[i] = type(exc)(f"{specs.where(i)}{exc}")
-        except Exception as exc:
-            exc.add_note(f"async_array: while converting {specs.where(i)}")
-            results[i] = exc
-        del value
+        results[i] = convert_one(specs, i, one)
     return results
 
 

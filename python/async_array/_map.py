@@ -1,0 +1,161 @@
+"""Many-leaf producers: ``async_map`` (one task a leaf) and ``async_stream``
+(one generator whose leaves become ready one by one)."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+
+from . import _core
+from ._array import AsyncArray, Source
+from ._wrap import LeafSpecs, convert_one, declare, qualname
+
+_LOG = logging.getLogger("async_array")
+_keystr = jax.tree_util.keystr
+
+
+def _specs_and_paths(name: str, like: Any, sharding: Any) -> tuple[LeafSpecs, list[Any], list[Any]]:
+    specs = declare(name, None, None, like, sharding)
+    flat = jax.tree_util.tree_flatten_with_path(like)[0]
+    return specs, [p for p, _ in flat], [leaf for _, leaf in flat]
+
+
+def _leaf_path(path: Any) -> Callable[[int], str]:
+    return lambda _: _keystr(path)
+
+
+def _run_leaf(fn: Callable[[Any, Any], Any], path: Any, spec: Any, specs: LeafSpecs, i: int):
+    try:
+        holder = [fn(path, spec)]
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)
+        raise
+    return [convert_one(specs, i, holder)]
+
+
+def async_map(fn: Callable[[Any, Any], Any], like: Any, *, sharding: Any = None) -> Any:
+    """Runs ``fn(key_path, spec)`` for every leaf of ``like``, one pool task a
+    leaf, and returns the tree of ``AsyncArray`` at once.
+
+    The per-tensor loader: one HTTP range request per tensor, say. Each leaf is
+    ready as soon as its own task finishes.
+
+    Args:
+      fn: called as ``fn(key_path, spec)`` with the leaf's JAX key path (a
+        tuple of ``DictKey``/``SequenceKey``/...) and its ``like`` leaf; returns
+        what ``async_wrap``'s ``f`` may return for one leaf.
+      like: a pytree of specs (``.shape``, ``.dtype``).
+      sharding: as in ``async_wrap``.
+
+    Returns:
+      A pytree of ``AsyncArray`` shaped like ``like``.
+
+    Raises:
+      TypeError, ValueError: bad arguments, as ``async_wrap``. A failure of one
+      ``fn`` call fails only that leaf (its exception, with a note naming it).
+    """
+    if not callable(fn):
+        raise TypeError(f"async_map: fn must be callable, got {type(fn).__name__}")
+    specs, paths, specs_in = _specs_and_paths(f"async_map({qualname(fn)})", like, sharding)
+    leaves = []
+    for i, (path, spec) in enumerate(zip(paths, specs_in, strict=True)):
+        future = _core.submit(_run_leaf, fn, path, spec, specs, i)
+        source = Source(future, specs.name, 1, _leaf_path(path))
+        leaves.append(
+            AsyncArray(
+                source, 0, specs.avals[i], specs.shardings[i] if specs.committed[i] else None
+            )
+        )
+    return specs.treedef.unflatten(leaves)
+
+
+def _drive_stream(
+    gen_fn: Callable[[], Iterable[tuple[Any, Any]]],
+    specs: LeafSpecs,
+    paths: list[Any],
+    futures: list[_core.Future],
+) -> None:
+    index = {_keystr(p): i for i, p in enumerate(paths)}
+    unknown: list[str] = []
+    try:
+        for key_path, value in gen_fn():
+            text = key_path if isinstance(key_path, str) else _keystr(key_path)
+            i = index.get(text)
+            if i is None:
+                unknown.append(text)
+                _LOG.error("%s: yielded key path %s, which like does not have", specs.name, text)
+                continue
+            entry = convert_one(specs, i, [value])
+            del value
+            if not futures[i].set_result([entry]):
+                _LOG.error(
+                    "%s: yielded key path %s twice; the leaf keeps the first value",
+                    specs.name,
+                    text,
+                )
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)
+        for fut in futures:
+            fut.set_exception(exc)  # only leaves not yet yielded take it
+        return
+    hint = f"; it yielded unknown key paths {', '.join(unknown[:5])}" if unknown else ""
+    for i, fut in enumerate(futures):
+        if not fut.done():
+            fut.set_result(
+                [ValueError(f"{specs.where(i)}: the generator ended without yielding it{hint}")]
+            )
+
+
+def async_stream(
+    gen_fn: Callable[[], Iterable[tuple[Any, Any]]], like: Any, *, sharding: Any = None
+) -> Any:
+    """Runs the generator ``gen_fn()`` in one pool task; each leaf is ready as
+    soon as the generator yields it.
+
+    Args:
+      gen_fn: returns an iterable of ``(key_path, value)`` pairs in any order;
+        ``key_path`` is a JAX key path (as ``jax.tree_util.tree_flatten_with_path``
+        gives) or its ``jax.tree_util.keystr`` text.
+      like: a pytree of specs (``.shape``, ``.dtype``).
+      sharding: as in ``async_wrap``.
+
+    Returns:
+      A pytree of ``AsyncArray`` shaped like ``like``.
+
+    A leaf never yielded fails with ``ValueError`` once the generator ends; a
+    yielded key path that ``like`` lacks, or a second yield of a leaf, is
+    logged to the ``async_array`` logger (the leaf keeps its first value) and
+    named in the error of leaves never yielded. An exception in the generator
+    fails only the leaves not yet yielded.
+    """
+    if not callable(gen_fn):
+        raise TypeError(f"async_stream: gen_fn must be callable, got {type(gen_fn).__name__}")
+    specs, paths, _ = _specs_and_paths(f"async_stream({qualname(gen_fn)})", like, sharding)
+    futures = [_core.Future() for _ in paths]
+    leaves = [
+        AsyncArray(
+            Source(fut, specs.name, 1, _leaf_path(path)),
+            0,
+            specs.avals[i],
+            specs.shardings[i] if specs.committed[i] else None,
+        )
+        for i, (fut, path) in enumerate(zip(futures, paths, strict=True))
+    ]
+    driver = _core.submit(_drive_stream, gen_fn, specs, paths, futures)
+    # The driver itself only fails on a bug here; then no leaf may hang.
+    driver.add_done_callback(lambda d: _fail_all_if_failed(d, futures))
+    return specs.treedef.unflatten(leaves)
+
+
+def _fail_all_if_failed(driver: _core.Future, futures: list[_core.Future]) -> None:
+    exc = driver.exception(0) if not driver.cancelled() else None
+    if driver.cancelled():
+        for fut in futures:
+            fut.cancel()
+    elif exc is not None:
+        for fut in futures:
+            fut.set_exception(exc)
