@@ -1,0 +1,13 @@
+"""Shared test set-up.
+
+Four CPU devices (set before JAX is imported) let sharding tests run on this
+machine; the default device stays CPU 0.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import jax  # noqa: E402
+
+assert len(jax.devices()) >= 1
