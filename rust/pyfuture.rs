@@ -153,7 +153,9 @@ impl PyFuture {
         let me = slf.clone().unbind();
         slf.get().inner.add_done_callback(move |_| {
             Python::try_attach(|py| {
-                if let Err(err) = func.bind(py).call1((me.bind(py),)) {
+                let called = PyTuple::new(py, [me.bind(py)])
+                    .and_then(|args| call_or_park(func.bind(py), &args, None));
+                if let Err(err) = called {
                     log_callback_error(py, &func, err);
                 }
             });
@@ -163,6 +165,55 @@ impl PyFuture {
     fn __repr__(&self) -> String {
         format!("<async_array._core.Future {}>", self.status())
     }
+}
+
+mod unwinding_ffi {
+    use pyo3::ffi::PyObject;
+
+    // pyo3-ffi declares it "C" (cannot unwind); see `call_or_park`.
+    extern "C-unwind" {
+        pub fn PyObject_Call(
+            callable: *mut PyObject,
+            args: *mut PyObject,
+            kwargs: *mut PyObject,
+        ) -> *mut PyObject;
+    }
+}
+
+/// Parks the thread for good when dropped by an unwind that is not a Rust panic.
+struct ParkOnForcedUnwind;
+
+impl Drop for ParkOnForcedUnwind {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            loop {
+                std::thread::park();
+            }
+        }
+    }
+}
+
+/// Calls `func(*args, **kwargs)` on a pool thread.
+///
+/// On Python < 3.14 a thread that takes the GIL back while the interpreter
+/// finalizes (a task still running at exit) is ended with `pthread_exit`, a
+/// forced unwind that aborts the process once it reaches Rust frames that
+/// cannot unwind. Declared `C-unwind`, the call lets that unwind stop here, in
+/// a guard that parks the thread for good instead: what Python 3.14 does
+/// itself, and what pyo3 does around `PyGILState_Ensure`.
+fn call_or_park<'py>(
+    func: &Bound<'py, PyAny>,
+    args: &Bound<'py, PyTuple>,
+    kwargs: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let kwargs = kwargs.map_or(std::ptr::null_mut(), |k| k.as_ptr());
+    let guard = ParkOnForcedUnwind;
+    // SAFETY: the thread is attached (the Bound arguments prove it) and every
+    // pointer is a live object borrowed for the call.
+    let ret = unsafe { unwinding_ffi::PyObject_Call(func.as_ptr(), args.as_ptr(), kwargs) };
+    std::mem::forget(guard);
+    // SAFETY: PyObject_Call returns a new reference, or NULL with an exception set.
+    unsafe { Bound::from_owned_ptr_or_err(func.py(), ret) }
 }
 
 static LOGGER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -179,11 +230,16 @@ fn log_callback_error(py: Python<'_>, func: &Py<PyAny>, err: PyErr) {
         .and_then(|logger| {
             let kwargs = PyDict::new(py);
             kwargs.set_item("exc_info", err.value(py))?;
-            logger.bind(py).call_method(
-                "error",
-                ("async_array: exception in done-callback %r", func.bind(py)),
-                Some(&kwargs),
-            )
+            let args = PyTuple::new(
+                py,
+                [
+                    "async_array: exception in done-callback %r"
+                        .into_pyobject(py)?
+                        .into_any(),
+                    func.bind(py).clone(),
+                ],
+            )?;
+            call_or_park(&logger.bind(py).getattr("error")?, &args, Some(&kwargs))
         });
     if logged.is_err() {
         err.write_unraisable(py, Some(func.bind(py)));
@@ -224,7 +280,7 @@ impl Job for PyTask {
         let f = future.clone();
         let ran = std::panic::catch_unwind(AssertUnwindSafe(move || {
             Python::try_attach(|py| {
-                let outcome = match func.bind(py).call1(args.bind(py)) {
+                let outcome = match call_or_park(func.bind(py), args.bind(py), None) {
                     Ok(v) => Outcome::Value(v.unbind()),
                     Err(e) => Outcome::Error(TaskError::from_pyerr(py, e)),
                 };
