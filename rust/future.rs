@@ -3,12 +3,12 @@
 //! Plain Rust (no pyo3 types) so that it is tested and benchmarked with `cargo`.
 //! The outcome is written once into a `OnceLock`, so reading a finished future
 //! takes no lock; the mutex only guards the callback list and pairs with the
-//! condition variable that waiters sleep on.
+//! condition variable that waiters sleep on (std's, for `fork`: see `locks`).
 
-use parking_lot::{Condvar, Mutex};
+use crate::locks::{lock, wait_once};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
 
 /// How a future finished.
@@ -150,7 +150,7 @@ impl<T, E> Future<T, E> {
         // Only the thread that moved the phase to FINISHING gets here, so `set` succeeds.
         let _ = self.shared.outcome.set(outcome);
         let callbacks = {
-            let mut guard = self.shared.callbacks.lock();
+            let mut guard = lock(&self.shared.callbacks);
             self.shared.phase.store(FINISHED, Ordering::Release);
             self.shared.cond.notify_all();
             std::mem::take(&mut *guard)
@@ -165,7 +165,7 @@ impl<T, E> Future<T, E> {
     /// Runs `callback` when the future finishes, or at once (on this thread) if it has.
     pub fn add_done_callback(&self, callback: impl FnOnce(&Outcome<T, E>) + Send + 'static) {
         {
-            let mut guard = self.shared.callbacks.lock();
+            let mut guard = lock(&self.shared.callbacks);
             if self.shared.phase.load(Ordering::Acquire) != FINISHED {
                 guard.push(Box::new(callback));
                 return;
@@ -186,21 +186,12 @@ impl<T, E> Future<T, E> {
         if self.is_finished() {
             return true;
         }
-        let mut guard = self.shared.callbacks.lock();
+        let mut guard = lock(&self.shared.callbacks);
         while self.shared.phase.load(Ordering::Acquire) != FINISHED {
-            match deadline {
-                None => self.shared.cond.wait(&mut guard),
-                Some(deadline) => {
-                    if self
-                        .shared
-                        .cond
-                        .wait_until(&mut guard, deadline)
-                        .timed_out()
-                    {
-                        return self.shared.phase.load(Ordering::Acquire) == FINISHED;
-                    }
-                }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return false;
             }
+            guard = wait_once(&self.shared.cond, guard, deadline);
         }
         true
     }
@@ -245,30 +236,26 @@ impl CompletionQueue {
     }
 
     fn push(&self, index: usize) {
-        self.ready.lock().push_back(index);
+        lock(&self.ready).push_back(index);
         self.cond.notify_all();
     }
 
     /// The next finished index, without blocking.
     pub fn try_pop(&self) -> Option<usize> {
-        self.ready.lock().pop_front()
+        lock(&self.ready).pop_front()
     }
 
     /// The next finished index, waiting until `deadline`; `None` on timeout.
     pub fn pop_until(&self, deadline: Option<Instant>) -> Option<usize> {
-        let mut guard = self.ready.lock();
+        let mut guard = lock(&self.ready);
         loop {
             if let Some(i) = guard.pop_front() {
                 return Some(i);
             }
-            match deadline {
-                None => self.cond.wait(&mut guard),
-                Some(deadline) => {
-                    if self.cond.wait_until(&mut guard, deadline).timed_out() {
-                        return guard.pop_front();
-                    }
-                }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return None;
             }
+            guard = wait_once(&self.cond, guard, deadline);
         }
     }
 }

@@ -6,6 +6,7 @@ pub mod dlpack;
 pub mod error;
 pub mod future;
 pub mod hostbuffer;
+pub mod locks;
 pub mod pool;
 pub mod pyfuture;
 pub mod wait;
@@ -23,8 +24,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pyfuture::configure, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::pool_stats, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::shutdown, m)?)?;
-    m.add_function(wrap_pyfunction!(pyfuture::_before_fork, m)?)?;
-    m.add_function(wrap_pyfunction!(pyfuture::_after_fork_parent, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::_after_fork_child, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::_submit_rust_panic, m)?)?;
     m.add_function(wrap_pyfunction!(hostbuffer::live_host_buffers, m)?)?;

@@ -6,10 +6,10 @@
 //! queued: so `max_workers = 1` and a task that waits on a queued task cannot
 //! deadlock. Stand-ins retire once the pool is back under its size.
 
-use parking_lot::{Condvar, Mutex};
+use crate::locks::{lock, wait_once};
 use std::cell::Cell;
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// One unit of work. `cancel` is called instead of `run` for work that will
 /// never run (the pool shut down while it was queued).
@@ -38,8 +38,12 @@ struct State {
     queue: VecDeque<Box<dyn Job>>,
     max_workers: usize,
     threads: usize,
-    /// Sleeping workers not yet woken; a submitter that wakes one takes it off.
+    /// Workers waiting for work that no submitter has claimed yet.
     sleeping: usize,
+    /// Claims on sleeping workers not yet taken up. A worker leaves its wait
+    /// only by taking one (or at shutdown): std's condition variable may wake
+    /// a thread spuriously, and that must not upset the count of sleepers.
+    wakeups: usize,
     /// Workers inside `blocking`.
     blocked: usize,
     shutdown: bool,
@@ -47,6 +51,13 @@ struct State {
     running: Vec<Option<Arc<dyn Abandon>>>,
     free_slots: Vec<usize>,
     spawned_total: usize,
+}
+
+impl State {
+    /// Workers that count against `max_workers`: neither blocked nor retired.
+    fn busy_capacity_used(&self) -> usize {
+        self.threads - self.blocked
+    }
 }
 
 struct Inner {
@@ -71,13 +82,20 @@ pub struct Pool {
     inner: Arc<Inner>,
 }
 
+/// The pool's lock, held by the thread that calls `fork()` from just before
+/// until just after it (see [`Pool::lock_for_fork`]).
+pub struct ForkGuard<'a> {
+    _lock: MutexGuard<'a, State>,
+}
+
 thread_local! {
-    static IS_WORKER: Cell<bool> = const { Cell::new(false) };
+    /// On a worker: which pool (its `Inner`'s address) and which slot.
+    static WORKER: Cell<Option<(usize, usize)>> = const { Cell::new(None) };
 }
 
 /// True on a pool worker thread.
 pub fn on_worker_thread() -> bool {
-    IS_WORKER.with(|w| w.get())
+    WORKER.with(Cell::get).is_some()
 }
 
 impl Pool {
@@ -89,6 +107,7 @@ impl Pool {
                     max_workers: max_workers.max(1),
                     threads: 0,
                     sleeping: 0,
+                    wakeups: 0,
                     blocked: 0,
                     shutdown: false,
                     running: Vec::new(),
@@ -101,9 +120,20 @@ impl Pool {
         }
     }
 
+    fn id(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+
+    /// This thread's worker slot, if it is a worker of this pool.
+    fn my_slot(&self) -> Option<usize> {
+        WORKER
+            .with(Cell::get)
+            .and_then(|(pool, slot)| (pool == self.id()).then_some(slot))
+    }
+
     /// Queues `job`; it runs on a worker in FIFO order.
     pub fn submit(&self, job: Box<dyn Job>) -> Result<(), SubmitError> {
-        let mut st = self.inner.state.lock();
+        let mut st = lock(&self.inner.state);
         if st.shutdown {
             drop(st);
             job.cancel();
@@ -114,11 +144,14 @@ impl Pool {
         Ok(())
     }
 
+    /// Gets one more worker onto the queue: wakes a sleeping one, or starts one
+    /// if the pool is under its size.
     fn wake_or_spawn(&self, st: &mut State) {
         if st.sleeping > 0 {
             st.sleeping -= 1;
+            st.wakeups += 1;
             self.inner.work.notify_one();
-        } else if st.threads - st.blocked < st.max_workers {
+        } else if st.busy_capacity_used() < st.max_workers {
             self.spawn(st);
         }
     }
@@ -143,11 +176,11 @@ impl Pool {
     }
 
     fn worker(&self, slot: usize) {
-        IS_WORKER.with(|w| w.set(true));
-        let mut st = self.inner.state.lock();
+        WORKER.with(|w| w.set(Some((self.id(), slot))));
+        let mut st = lock(&self.inner.state);
         loop {
             // Retire first: a worker back from `blocking` may leave the pool over size.
-            if st.shutdown || st.threads - st.blocked > st.max_workers {
+            if st.shutdown || st.busy_capacity_used() > st.max_workers {
                 st.threads -= 1;
                 st.free_slots.push(slot);
                 return;
@@ -156,12 +189,17 @@ impl Pool {
                 st.running[slot] = job.abandon_handle();
                 drop(st);
                 job.run();
-                st = self.inner.state.lock();
+                st = lock(&self.inner.state);
                 st.running[slot] = None;
                 continue;
             }
             st.sleeping += 1;
-            self.inner.work.wait(&mut st);
+            while st.wakeups == 0 && !st.shutdown {
+                st = wait_once(&self.inner.work, st, None);
+            }
+            if st.wakeups > 0 {
+                st.wakeups -= 1;
+            }
         }
     }
 
@@ -173,9 +211,9 @@ impl Pool {
             return wait();
         }
         {
-            let mut st = self.inner.state.lock();
+            let mut st = lock(&self.inner.state);
             st.blocked += 1;
-            if !st.queue.is_empty() && st.sleeping == 0 && st.threads - st.blocked < st.max_workers
+            if !st.queue.is_empty() && st.sleeping == 0 && st.busy_capacity_used() < st.max_workers
             {
                 self.spawn(&mut st);
             }
@@ -183,7 +221,7 @@ impl Pool {
         struct Unblock<'a>(&'a Pool);
         impl Drop for Unblock<'_> {
             fn drop(&mut self) {
-                self.0.inner.state.lock().blocked -= 1;
+                lock(&self.0.inner.state).blocked -= 1;
             }
         }
         let _unblock = Unblock(self);
@@ -192,28 +230,29 @@ impl Pool {
 
     /// Changes the number of workers that may run at once.
     pub fn set_max_workers(&self, max_workers: usize) {
-        let mut st = self.inner.state.lock();
+        let mut st = lock(&self.inner.state);
         st.max_workers = max_workers.max(1);
         let startable = st
             .queue
             .len()
-            .min(st.max_workers.saturating_sub(st.threads - st.blocked));
+            .min(st.max_workers.saturating_sub(st.busy_capacity_used()));
         for _ in 0..startable {
             self.spawn(&mut st);
         }
-        if st.threads - st.blocked > st.max_workers && st.sleeping > 0 {
+        if st.busy_capacity_used() > st.max_workers && st.sleeping > 0 {
             // Surplus sleepers wake to retire.
+            st.wakeups += st.sleeping;
             st.sleeping = 0;
             self.inner.work.notify_all();
         }
     }
 
     pub fn max_workers(&self) -> usize {
-        self.inner.state.lock().max_workers
+        lock(&self.inner.state).max_workers
     }
 
     pub fn stats(&self) -> PoolStats {
-        let st = self.inner.state.lock();
+        let st = lock(&self.inner.state);
         PoolStats {
             max_workers: st.max_workers,
             threads: st.threads,
@@ -228,7 +267,7 @@ impl Pool {
     /// waits for nothing. Later submissions are refused.
     pub fn shutdown(&self) {
         let queued = {
-            let mut st = self.inner.state.lock();
+            let mut st = lock(&self.inner.state);
             st.shutdown = true;
             st.sleeping = 0;
             self.inner.work.notify_all();
@@ -239,36 +278,51 @@ impl Pool {
         }
     }
 
-    /// Holds the pool's lock across `fork()`, so the child never inherits it
-    /// mid-update. Pair with [`Pool::after_fork_parent`] or [`Pool::after_fork_child`].
-    pub fn before_fork(&self) {
-        std::mem::forget(self.inner.state.lock());
-    }
-
-    pub fn after_fork_parent(&self) {
-        // SAFETY: `before_fork` left the lock held by this thread.
-        unsafe { self.inner.state.force_unlock() };
+    /// Takes the pool's lock for the duration of the `fork()` call itself (from
+    /// a `pthread_atfork` prepare handler), so that the child inherits neither
+    /// the lock held by a thread it does not have, nor the state mid-update.
+    /// Drop the guard in the parent and child handlers, on the same thread.
+    ///
+    /// No thread waits for the GIL while holding this lock, so a forking thread
+    /// that holds the GIL cannot deadlock here. Held any longer (across Python
+    /// fork hooks, which may let the GIL go), it could: a thread holding the
+    /// GIL would then wait for it while the forking thread waits for the GIL.
+    pub fn lock_for_fork(&self) -> ForkGuard<'_> {
+        ForkGuard {
+            _lock: lock(&self.inner.state),
+        }
     }
 
     /// In the child only the forking thread exists: forget the parent's
     /// workers, fail the jobs they were running, and start threads for what is
-    /// still queued.
+    /// still queued. Call it once the guard of [`Pool::lock_for_fork`] is dropped.
     pub fn after_fork_child(&self) {
-        // SAFETY: the lock was taken in `before_fork`; this is that thread's copy.
-        unsafe { self.inner.state.force_unlock() };
-        let abandoned: Vec<Arc<dyn Abandon>> = {
-            let mut st = self.inner.state.lock();
-            st.threads = 0;
-            st.sleeping = 0;
-            st.blocked = 0;
-            st.free_slots = (0..st.running.len()).rev().collect();
-            let abandoned = st.running.iter_mut().filter_map(Option::take).collect();
-            let startable = st.queue.len().min(st.max_workers);
-            for _ in 0..startable {
-                self.spawn(&mut st);
-            }
-            abandoned
-        };
+        let mut st = lock(&self.inner.state);
+        // A worker that forks (a task calling os.fork) lives on in the child.
+        let me = self.my_slot();
+        st.threads = usize::from(me.is_some());
+        st.sleeping = 0;
+        st.wakeups = 0;
+        st.blocked = 0;
+        st.free_slots = (0..st.running.len())
+            .rev()
+            .filter(|&s| Some(s) != me)
+            .collect();
+        let abandoned: Vec<Arc<dyn Abandon>> = st
+            .running
+            .iter_mut()
+            .enumerate()
+            .filter(|&(s, _)| Some(s) != me)
+            .filter_map(|(_, job)| job.take())
+            .collect();
+        let startable = st
+            .queue
+            .len()
+            .min(st.max_workers.saturating_sub(st.threads));
+        for _ in 0..startable {
+            self.spawn(&mut st);
+        }
+        drop(st);
         for job in abandoned {
             job.abandon();
         }
@@ -322,12 +376,12 @@ mod tests {
     #[test]
     fn runs_everything_in_fifo_order_on_one_worker() {
         let pool = Pool::new("t", 1);
-        let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let order = Arc::new(Mutex::new(Vec::new()));
         let fs: Vec<F> = (0..100)
             .map(|i| {
                 let order = Arc::clone(&order);
                 submit(&pool, move || {
-                    order.lock().push(i);
+                    order.lock().unwrap().push(i);
                     i * 2
                 })
             })
@@ -335,7 +389,7 @@ mod tests {
         for (i, f) in fs.iter().enumerate() {
             assert_eq!(value(f), i * 2);
         }
-        assert_eq!(*order.lock(), (0..100).collect::<Vec<_>>());
+        assert_eq!(*order.lock().unwrap(), (0..100).collect::<Vec<_>>());
         assert_eq!(pool.stats().spawned_total, 1);
     }
 
@@ -379,13 +433,91 @@ mod tests {
     }
 
     #[test]
+    fn spurious_wakeups_do_not_lose_or_duplicate_work() {
+        // Wakes every sleeper without a claim, many times, while work flows.
+        let pool = Pool::new("t", 3);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (p, s) = (pool.clone(), Arc::clone(&stop));
+        let poker = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                p.inner.work.notify_all();
+                std::thread::yield_now();
+            }
+        });
+        let fs: Vec<F> = (0..2000).map(|i| submit(&pool, move || i)).collect();
+        for (i, f) in fs.iter().enumerate() {
+            assert_eq!(value(f), i);
+        }
+        stop.store(true, Ordering::Relaxed);
+        poker.join().unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        let st = pool.stats();
+        assert_eq!((st.queued, st.blocked), (0, 0));
+        assert_eq!(st.idle, st.threads, "every idle worker is counted once");
+    }
+
+    #[test]
+    fn fork_guard_holds_the_lock_until_dropped() {
+        let pool = Pool::new("t", 2);
+        let guard = pool.lock_for_fork();
+        let p = pool.clone();
+        let submitter = std::thread::spawn(move || value(&submit(&p, || 5)));
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(!submitter.is_finished(), "submit waits for the fork to end");
+        drop(guard);
+        assert_eq!(submitter.join().unwrap(), 5);
+    }
+
+    #[test]
+    fn after_fork_child_fails_running_jobs_and_restarts_queued_ones() {
+        // In-process stand-in for a fork: the "parent's" worker is stuck, so
+        // it looks exactly like a thread the child does not have.
+        struct Stuck(F, Arc<Mutex<()>>);
+        impl Job for Stuck {
+            fn run(self: Box<Self>) {
+                self.0.set_running();
+                drop(self.1.lock().unwrap());
+            }
+            fn cancel(self: Box<Self>) {
+                self.0.cancel();
+            }
+            fn abandon_handle(&self) -> Option<Arc<dyn Abandon>> {
+                struct Fail(F);
+                impl Abandon for Fail {
+                    fn abandon(&self) {
+                        self.0.complete(Outcome::Error("abandoned".into()));
+                    }
+                }
+                Some(Arc::new(Fail(self.0.clone())))
+            }
+        }
+        let pool = Pool::new("t", 1);
+        let gate = Arc::new(Mutex::new(()));
+        let held = gate.lock().unwrap();
+        let stuck = F::new();
+        pool.submit(Box::new(Stuck(stuck.clone(), Arc::clone(&gate))))
+            .unwrap();
+        let queued = submit(&pool, || 9);
+        while stuck.status() != crate::future::Status::Running {
+            std::thread::yield_now();
+        }
+        drop(pool.lock_for_fork());
+        pool.after_fork_child();
+        assert!(stuck.wait_until(Some(Instant::now() + Duration::from_secs(10))));
+        assert!(matches!(stuck.outcome(), Some(Outcome::Error(e)) if e == "abandoned"));
+        assert_eq!(value(&queued), 9, "a fresh worker runs what was queued");
+        // The stuck worker stands for a thread that no longer exists: it never wakes.
+        std::mem::forget(held);
+    }
+
+    #[test]
     fn shutdown_cancels_queued_and_refuses_new() {
         let pool = Pool::new("t", 1);
-        let gate = Arc::new(parking_lot::Mutex::new(()));
-        let held = gate.lock();
+        let gate = Arc::new(Mutex::new(()));
+        let held = gate.lock().unwrap();
         let g = Arc::clone(&gate);
         let running = submit(&pool, move || {
-            drop(g.lock());
+            drop(g.lock().unwrap());
             1
         });
         let queued = submit(&pool, || 2);
@@ -406,13 +538,13 @@ mod tests {
     #[test]
     fn resizing_starts_threads_for_queued_work() {
         let pool = Pool::new("t", 1);
-        let gate = Arc::new(parking_lot::Mutex::new(()));
-        let held = gate.lock();
+        let gate = Arc::new(Mutex::new(()));
+        let held = gate.lock().unwrap();
         let fs: Vec<F> = (0..4)
             .map(|i| {
                 let g = Arc::clone(&gate);
                 submit(&pool, move || {
-                    drop(g.lock());
+                    drop(g.lock().unwrap());
                     i
                 })
             })

@@ -3,12 +3,13 @@
 
 use crate::error::{Error, TaskError};
 use crate::future::{self, CompletionQueue, Outcome, Status};
-use crate::pool::{Abandon, Job, Pool};
+use crate::pool::{Abandon, ForkGuard, Job, Pool};
 use crate::wait::{deadline_after, wait_detached};
 use pyo3::exceptions::PyTimeoutError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTraceback, PyTuple};
+use std::cell::RefCell;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, OnceLock};
 
@@ -19,6 +20,7 @@ static POOL: OnceLock<Pool> = OnceLock::new();
 /// The process-wide pool; `configure` resizes it.
 pub fn pool() -> &'static Pool {
     POOL.get_or_init(|| {
+        install_fork_handlers();
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         Pool::new("async-array", (cpus + 4).min(32))
     })
@@ -447,20 +449,61 @@ pub fn shutdown() {
     pool().shutdown();
 }
 
-/// Holds the pool's lock across `os.fork()`. Called with the GIL held: the lock
-/// order everywhere is GIL, then pool lock, and no worker waits for the GIL
-/// while holding the pool lock.
-#[pyfunction]
-pub fn _before_fork() {
-    pool().before_fork();
+thread_local! {
+    /// The pool's lock, from the `fork()` prepare handler to the parent or child handler.
+    static FORK_GUARD: RefCell<Option<ForkGuard<'static>>> = const { RefCell::new(None) };
 }
 
-#[pyfunction]
-pub fn _after_fork_parent() {
-    pool().after_fork_parent();
+extern "C" fn lock_pool_for_fork() {
+    if let Some(pool) = POOL.get() {
+        let _ = FORK_GUARD.try_with(|g| {
+            let mut held = g.borrow_mut();
+            if held.is_none() {
+                *held = Some(pool.lock_for_fork());
+            }
+        });
+    }
 }
 
+extern "C" fn unlock_pool_after_fork() {
+    let _ = FORK_GUARD.try_with(|g| drop(g.borrow_mut().take()));
+}
+
+/// Holds the pool's lock across every `fork()` of the process, and only across
+/// the call itself: Python's `os.register_at_fork` hooks run Python code (other
+/// libraries' hooks) between `before` and `after`, during which the forking
+/// thread may let the GIL go; a lock held over that window deadlocks against a
+/// thread that takes the GIL and then wants the lock.
+#[cfg(unix)]
+fn install_fork_handlers() {
+    extern "C" {
+        fn pthread_atfork(
+            prepare: Option<extern "C" fn()>,
+            parent: Option<extern "C" fn()>,
+            child: Option<extern "C" fn()>,
+        ) -> std::ffi::c_int;
+    }
+    // SAFETY: the handlers are plain functions that live as long as the process
+    // (this module is never unloaded) and never unwind.
+    let rc = unsafe {
+        pthread_atfork(
+            Some(lock_pool_for_fork),
+            Some(unlock_pool_after_fork),
+            Some(unlock_pool_after_fork),
+        )
+    };
+    debug_assert_eq!(rc, 0, "pthread_atfork failed");
+}
+
+#[cfg(not(unix))]
+fn install_fork_handlers() {}
+
+/// In the child of `os.fork()` (an `after_in_child` hook, run with the GIL and
+/// no other thread): fails the tasks the parent's workers were running and
+/// starts workers for what is still queued.
 #[pyfunction]
 pub fn _after_fork_child() {
-    pool().after_fork_child();
+    if let Some(pool) = POOL.get() {
+        pool.after_fork_child();
+    }
 }

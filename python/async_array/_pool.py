@@ -61,8 +61,6 @@ def max_workers() -> int:
 configure()
 # At exit, queued tasks are cancelled and running ones are not waited for.
 atexit.register(_core.shutdown)
-os.register_at_fork(
-    before=_core._before_fork,
-    after_in_parent=_core._after_fork_parent,
-    after_in_child=_core._after_fork_child,
-)
+# The core holds its lock across fork() itself (pthread_atfork); in the child
+# it then fails the tasks the parent's workers were running and restarts the rest.
+os.register_at_fork(after_in_child=_core._after_fork_child)
