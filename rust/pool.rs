@@ -156,6 +156,13 @@ impl Pool {
         }
     }
 
+    /// Like `wake_or_spawn`, but only for queued work no worker is on its way to.
+    fn wake_for_unclaimed_work(&self, st: &mut State) {
+        if st.queue.len() > st.wakeups {
+            self.wake_or_spawn(st);
+        }
+    }
+
     fn spawn(&self, st: &mut State) {
         let slot = st.free_slots.pop().unwrap_or_else(|| {
             st.running.push(None);
@@ -183,6 +190,10 @@ impl Pool {
             if st.shutdown || st.busy_capacity_used() > st.max_workers {
                 st.threads -= 1;
                 st.free_slots.push(slot);
+                if !st.shutdown {
+                    // This thread may have been woken for queued work: pass it on.
+                    self.wake_for_unclaimed_work(&mut st);
+                }
                 return;
             }
             if let Some(job) = st.queue.pop_front() {
@@ -213,10 +224,7 @@ impl Pool {
         {
             let mut st = lock(&self.inner.state);
             st.blocked += 1;
-            if !st.queue.is_empty() && st.sleeping == 0 && st.busy_capacity_used() < st.max_workers
-            {
-                self.spawn(&mut st);
-            }
+            self.wake_for_unclaimed_work(&mut st);
         }
         struct Unblock<'a>(&'a Pool);
         impl Drop for Unblock<'_> {
@@ -430,6 +438,40 @@ mod tests {
         let st = pool.stats();
         assert_eq!((st.blocked, st.max_workers), (0, 1));
         assert!(st.spawned_total >= 2);
+    }
+
+    #[test]
+    fn work_queued_as_a_surplus_worker_retires_still_runs() {
+        // A worker back from a wait leaves the pool over size; the idle worker
+        // woken for the next job retires instead of running it. The wake-up
+        // must pass on to another sleeper, or the job waits forever.
+        for _ in 0..3 {
+            let pool = Pool::new("t", 2);
+            let gate = Arc::new(Mutex::new(()));
+            let held = gate.lock().unwrap();
+            let g = Arc::clone(&gate);
+            let busy = submit(&pool, move || {
+                drop(g.lock().unwrap());
+                0
+            });
+            let unblock = F::new();
+            let (p, u) = (pool.clone(), unblock.clone());
+            let outer = submit(&pool, move || {
+                p.blocking(|| value(&u));
+                let inner = submit(&p, || 7);
+                // Waits as a task waiting on a threading.Event would: the pool
+                // does not know, so only the spare sleeper can run `inner`.
+                value(&inner) * 6
+            });
+            // Runs on a stand-in while `outer` is blocked; the stand-in then idles.
+            assert_eq!(value(&submit(&pool, || 1)), 1);
+            drop(held);
+            assert_eq!(value(&busy), 0);
+            std::thread::sleep(Duration::from_millis(20));
+            assert_eq!(pool.stats().idle, 2, "both spare workers are asleep");
+            unblock.complete(Outcome::Value(0));
+            assert_eq!(value(&outer), 42);
+        }
     }
 
     #[test]
