@@ -1,9 +1,25 @@
 """Type stubs of the Rust core (checked by `python -m mypy.stubtest async_array._core`)."""
 
+import sys
 from collections.abc import Callable
 from typing import Any, final
 
 import numpy as np
+
+__all__ = [
+    "Future",
+    "HostBuffer",
+    "Watcher",
+    "__version__",
+    "_after_fork_child",
+    "_submit_rust_panic",
+    "configure",
+    "live_host_buffers",
+    "pool_stats",
+    "shutdown",
+    "submit",
+    "wait_all",
+]
 
 __version__: str
 
@@ -73,8 +89,10 @@ class HostBuffer:
         copy: bool | None = None,
     ) -> Any: ...
     def __dlpack_device__(self) -> tuple[int, int]: ...
-    def __buffer__(self, flags: int, /) -> memoryview: ...
-    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+    if sys.version_info >= (3, 12):
+        # The buffer protocol as Python methods (PEP 688) exists from 3.12.
+        def __buffer__(self, flags: int, /) -> memoryview: ...
+        def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
 def submit(func: Callable[..., Any], *args: Any) -> Future: ...
 def wait_all(futures: list[Future], timeout: float | None = None) -> bool: ...
