@@ -1,0 +1,676 @@
+"""The Rust core seen from Python (issue 2): futures, the pool, waits, signals,
+interpreter exit, fork, and ``aa.configure``.
+
+Every wait here has a timeout: a hang is a failure, not a stuck run. Process
+level behaviour (exit, fork, Ctrl-C, the environment variable) is tested in a
+subprocess running a small script.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import traceback
+
+import async_array as aa
+import pytest
+from async_array import _core
+
+# Long enough for a loaded 2-core machine; a healthy run takes milliseconds.
+WAIT = 30
+
+
+@pytest.fixture
+def pool_size():
+    """``aa.configure`` for one test; the pool's size is restored afterwards."""
+    before = aa.max_workers()
+    yield aa.configure
+    aa.configure(before)
+
+
+def spawn(code: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Starts ``code`` in a fresh interpreter, in its own process group (so that
+    a hung forked grandchild is killed with it)."""
+    full_env = dict(os.environ)
+    full_env.pop(aa._pool.ENV_MAX_WORKERS, None)
+    full_env.update(env or {})
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        start_new_session=True,
+    )
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kills whatever is left of the script's process group."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_script(
+    code: str, *, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter; returns the CompletedProcess."""
+    proc = spawn(code, env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def gate() -> tuple[threading.Event, _core.Future]:
+    """A task that runs until the returned event is set (it holds one worker)."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def hold() -> str:
+        started.set()
+        assert release.wait(WAIT), "gate never released"
+        return "released"
+
+    future = _core.submit(hold)
+    assert started.wait(WAIT), "gate task never started"
+    return release, future
+
+
+def raising_task(exc: BaseException):
+    def task_body():
+        raise exc
+
+    return task_body
+
+
+# -- results, exceptions, cancellation -------------------------------------------
+
+
+def test_submit_returns_values_and_reports_status():
+    assert _core.submit(pow, 2, 10).result(WAIT) == 1024
+    assert _core.submit(lambda *a: a, 1, "two", None).result(WAIT) == (1, "two", None)
+    obj = object()
+    f = _core.submit(lambda: obj)
+    assert f.result(WAIT) is obj, "the very object the task returned"
+    assert (f.done(), f.running(), f.cancelled(), f.status) == (True, False, False, "done")
+    assert f.exception(WAIT) is None
+    assert repr(f) == "<async_array._core.Future done>"
+
+
+def test_status_goes_pending_running_done(pool_size):
+    pool_size(1)
+    release, held = gate()
+    queued = _core.submit(int, "7")
+    assert (queued.status, queued.running(), queued.done()) == ("pending", False, False)
+    assert (held.status, held.running()) == ("running", True)
+    release.set()
+    assert queued.result(WAIT) == 7
+    assert (held.result(WAIT), held.status) == ("released", "done")
+
+
+def test_exception_is_the_same_object_with_the_task_frames():
+    raised = KeyError("missing")
+
+    def load_weights():
+        raise raised
+
+    f = _core.submit(load_weights)
+    tracebacks = []
+    for _ in range(5):
+        with pytest.raises(KeyError) as info:
+            f.result(WAIT)
+        assert info.value is raised
+        tracebacks.append([fr.name for fr in traceback.extract_tb(info.value.__traceback__)])
+    assert "load_weights" in tracebacks[0], "the task's own frame is kept"
+    assert all(tb == tracebacks[0] for tb in tracebacks), f"traceback grew: {tracebacks}"
+    assert f.status == "failed" and f.done()
+    # exception() hands back the same object, with the same traceback.
+    assert f.exception(WAIT) is raised
+    assert [fr.name for fr in traceback.extract_tb(raised.__traceback__)][-1] == "load_weights"
+    with pytest.raises(KeyError):
+        f.result(WAIT)
+    assert [fr.name for fr in traceback.extract_tb(raised.__traceback__)] == tracebacks[0]
+
+
+def test_cancel_before_start(pool_size):
+    pool_size(1)
+    ran = []
+    release, held = gate()
+    queued = _core.submit(ran.append, "queued task ran")
+    assert queued.cancel() is True
+    assert queued.cancel() is True, "cancelling twice still answers True"
+    assert (queued.cancelled(), queued.done(), queued.status) == (True, True, "cancelled")
+    with pytest.raises(concurrent.futures.CancelledError):
+        queued.result(WAIT)
+    with pytest.raises(concurrent.futures.CancelledError):
+        queued.exception(WAIT)
+    # The running task cannot be cancelled and still finishes.
+    assert held.cancel() is False
+    assert not held.cancelled()
+    release.set()
+    assert held.result(WAIT) == "released"
+    assert _core.submit(len, "abc").result(WAIT) == 3, "the worker moved on past the cancelled task"
+    assert ran == [], "a cancelled task never runs"
+    assert held.cancel() is False, "a finished task cannot be cancelled"
+
+
+def test_result_timeout_then_value(pool_size):
+    pool_size(2)
+    release, held = gate()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        held.result(timeout=0.2)
+    assert time.monotonic() - t0 >= 0.19
+    assert held.wait(timeout=0.05) is False
+    assert held.wait(timeout=0) is False
+    release.set()
+    assert held.wait(timeout=WAIT) is True
+    assert held.result(timeout=0) == "released"
+    with pytest.raises(ValueError, match="nan"):
+        _core.Future().wait(timeout=float("nan"))
+
+
+def test_python_completed_future():
+    f = _core.Future()
+    assert (f.status, f.done()) == ("pending", False)
+    with pytest.raises(TimeoutError):
+        f.result(timeout=0.05)
+    assert f.set_result([1, 2]) is True
+    assert f.set_result("again") is False, "a finished future keeps its first result"
+    assert f.set_exception(ValueError("late")) is False
+    assert f.result(0) == [1, 2]
+
+    g = _core.Future()
+    err = OSError("disk gone")
+    assert g.set_exception(err) is True
+    assert g.exception(0) is err
+    with pytest.raises(OSError) as info:
+        g.result(0)
+    assert info.value is err
+
+
+# -- the pool waiting on itself ----------------------------------------------------
+
+
+def test_single_worker_task_waiting_on_queued_future_does_not_deadlock(pool_size):
+    pool_size(1)
+
+    def outer():
+        inner = _core.submit(lambda: 41)  # queued behind this very task
+        return inner.result(WAIT) + 1
+
+    assert _core.submit(outer).result(WAIT) == 42
+
+    # A chain: every task waits on the next one, all on a pool of one.
+    def chain(depth):
+        if depth == 0:
+            return 0
+        return _core.submit(chain, depth - 1).result(WAIT) + 1
+
+    assert _core.submit(chain, 6).result(WAIT) == 6
+    assert aa.max_workers() == 1
+
+
+def test_single_worker_waits_on_work_submitted_later(pool_size):
+    """The worker blocks first; the work it waits for is submitted afterwards."""
+    pool_size(1)
+    box = _core.Future()
+    waiting = threading.Event()
+
+    def consumer():
+        waiting.set()
+        return box.result(WAIT).result(WAIT) * 2
+
+    out = _core.submit(consumer)
+    assert waiting.wait(WAIT)
+    box.set_result(_core.submit(lambda: 21))
+    assert out.result(WAIT) == 42
+
+
+def test_pool_wakes_idle_worker_after_a_stand_in_retires(pool_size):
+    """A worker back from a wait leaves the pool over size; work queued then
+    must still reach an idle worker (no lost wake-up)."""
+    pool_size(2)
+    for _ in range(3):
+        unblock = _core.Future()
+        release, held = gate()
+
+        def waits_then_submits(unblock):
+            unblock.result(WAIT)  # blocked: the pool may start a stand-in
+            inner = _core.submit(lambda: "inner")
+            time.sleep(0.05)  # the woken idle worker looks before this one waits
+            return inner.result(WAIT)
+
+        outer = _core.submit(waits_then_submits, unblock)
+        # Work queued while `outer` is blocked runs on a stand-in, which then idles.
+        assert [_core.submit(abs, -i).result(WAIT) for i in range(3)] == [0, 1, 2]
+        release.set()
+        assert held.result(WAIT) == "released"
+        time.sleep(0.01)  # let the workers go idle
+        unblock.set_result(None)
+        assert outer.result(WAIT) == "inner"
+
+
+# -- callbacks ----------------------------------------------------------------------
+
+
+def test_done_callbacks_run_once_with_the_future():
+    seen = []
+    release_event = threading.Event()
+    f = _core.submit(lambda: release_event.wait(WAIT) and "v")
+    f.add_done_callback(lambda fut: seen.append(("first", fut.result(0))))
+    f.add_done_callback(lambda fut: seen.append(("second", fut is f)))
+    release_event.set()
+    assert f.result(WAIT) == "v"
+    deadline = time.monotonic() + WAIT
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert seen == [("first", "v"), ("second", True)]
+    # Added after completion: runs at once, here.
+    f.add_done_callback(lambda fut: seen.append(("late", threading.current_thread().name)))
+    assert seen[-1] == ("late", threading.current_thread().name)
+
+
+def test_raising_done_callback_is_logged_and_worker_keeps_working(pool_size, caplog):
+    pool_size(1)
+    caplog.set_level(logging.ERROR, logger="async_array")
+
+    def bad_callback(fut):
+        raise ValueError(f"callback saw {fut.result(0)}")
+
+    after = []
+    release, held = gate()
+    held.add_done_callback(bad_callback)
+    held.add_done_callback(lambda fut: after.append(fut.result(0)))
+    release.set()
+    assert held.result(WAIT) == "released"
+    # The single worker ran the callbacks and still runs new work.
+    assert [_core.submit(pow, i, 2).result(WAIT) for i in range(5)] == [0, 1, 4, 9, 16]
+    deadline = time.monotonic() + WAIT
+    while not caplog.records and time.monotonic() < deadline:
+        time.sleep(0.005)
+    records = [r for r in caplog.records if r.name == "async_array"]
+    assert len(records) == 1
+    record = records[0]
+    assert record.levelno == logging.ERROR
+    assert "done-callback" in record.getMessage()
+    assert "bad_callback" in record.getMessage()
+    assert isinstance(record.exc_info[1], ValueError)
+    assert str(record.exc_info[1]) == "callback saw released"
+    assert after == ["released"], "a raising callback does not stop the next one"
+
+    # Also when the callback runs at once on the calling thread: logged, not raised.
+    caplog.clear()
+    held.add_done_callback(bad_callback)
+    assert [r.exc_info[1].args for r in caplog.records] == [("callback saw released",)]
+
+
+# -- BaseException and panics ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [SystemExit(4), KeyboardInterrupt(), GeneratorExit()],
+    ids=lambda e: type(e).__name__,
+)
+def test_base_exception_fails_the_future_and_pool_survives(pool_size, exc):
+    pool_size(1)
+    f = _core.submit(raising_task(exc))
+    with pytest.raises(type(exc)) as info:
+        f.result(WAIT)
+    assert info.value is exc
+    assert f.exception(WAIT) is exc
+    assert f.status == "failed"
+    # Same single worker, still alive.
+    assert [_core.submit(str, i).result(WAIT) for i in range(3)] == ["0", "1", "2"]
+    stats = _core.pool_stats()
+    assert stats["max_workers"] == 1 and stats["threads"] >= 1
+
+
+def test_rust_panic_is_an_ordinary_runtime_error(pool_size):
+    pool_size(1)
+    f = _core._submit_rust_panic("x")
+    with pytest.raises(RuntimeError, match="Rust panic in a worker: x") as info:
+        f.result(WAIT)
+    assert isinstance(info.value, Exception), "callers catching Exception see it"
+    assert type(info.value) is RuntimeError
+    assert f.status == "failed"
+    assert isinstance(f.exception(WAIT), RuntimeError)
+    assert [_core.submit(hex, i).result(WAIT) for i in range(3)] == ["0x0", "0x1", "0x2"]
+
+
+# -- interpreter exit -------------------------------------------------------------------
+
+EXIT_SCRIPT = """
+import sys, threading, time
+import async_array as aa
+from async_array import _core
+
+def sleeps():
+    time.sleep(30)
+
+def naps():  # re-takes the GIL many times while the interpreter finalizes
+    while True:
+        time.sleep(0.01)
+
+def spins():
+    while True:
+        pass
+
+kind = {kind!r}
+aa.configure(max_workers={workers})
+if kind == "waiter":
+    slow = _core.submit(sleeps)
+    _core.submit(slow.result)  # a task blocked on another future
+    threading.Thread(target=slow.result, daemon=True).start()  # a thread, too
+else:
+    slow = _core.submit({{"sleep": sleeps, "nap": naps, "spin": spins}}[kind])
+queued = [_core.submit(time.sleep, 30) for _ in range(5)]
+deadline = time.monotonic() + 20
+while not slow.running() and time.monotonic() < deadline:
+    time.sleep(0.005)
+time.sleep(0.1)
+print("ready", slow.running(), flush=True)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(
+    ("kind", "workers"), [("sleep", 1), ("nap", 1), ("spin", 1), ("waiter", 2)]
+)
+def test_interpreter_exit_with_running_and_queued_tasks(kind, workers):
+    proc = spawn(EXIT_SCRIPT.format(kind=kind, workers=workers))
+    try:
+        assert proc.stdout.readline() == "ready True\n"
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=WAIT)
+        elapsed = time.monotonic() - t0
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 3, err
+    assert elapsed < 5, f"exit took {elapsed:.1f} s: running tasks were waited for"
+    for bad in ("Fatal Python error", "panicked", "Traceback", "Aborted"):
+        assert bad not in err, err
+
+
+# -- fork -----------------------------------------------------------------------------
+
+FORK_SCRIPT = """
+import os, signal, sys, threading, time, warnings
+warnings.filterwarnings("ignore", message=".*fork.*")
+import async_array as aa
+from async_array import _core
+
+aa.configure(max_workers=4)
+assert [f.result(30) for f in [_core.submit(pow, i, 2) for i in range(20)]] == [
+    i * i for i in range(20)
+]
+# Threads that keep taking the GIL and the pool's lock while fork happens.
+stop = threading.Event()
+def churn():
+    while not stop.is_set():
+        assert _core.submit(abs, -1).result(30) == 1
+churners = [threading.Thread(target=churn) for _ in range(3)]
+for t in churners:
+    t.start()
+
+def child():
+    try:
+        running.result(timeout=10)
+        print("child: the parent's running task finished in the child", flush=True)
+    except RuntimeError as exc:
+        assert "os.fork()" in str(exc), exc
+    fs = [_core.submit(lambda i=i: i * 3) for i in range(200)]
+    assert _core.wait_all(fs, 30)
+    assert [f.result(0) for f in fs] == [i * 3 for i in range(200)]
+    # Work queued in the parent runs in the child, unless a parent's worker
+    # had taken it when fork happened; it never hangs.
+    assert _core.wait_all(queued, 30)
+    for i, f in enumerate(queued):
+        if f.exception(0) is None:
+            assert f.result(0) == i + 100
+        else:
+            assert "os.fork()" in str(f.exception(0))
+
+for round in range(5):
+    running = _core.submit(time.sleep, 0.5)
+    while not running.running():
+        time.sleep(0.001)
+    queued = [_core.submit(lambda i=i: i + 100) for i in range(50)]
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(60)  # a hung child dies instead of outliving the test
+        code = 1
+        try:
+            child()
+            code = 0
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert running.result(30) is None
+    assert [f.result(30) for f in queued] == [i + 100 for i in range(50)]
+    print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+stop.set()
+for t in churners:
+    t.join()
+print("parent ok", flush=True)
+"""
+
+
+def test_fork_child_can_submit_and_wait():
+    proc = run_script(FORK_SCRIPT, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["child exit 0"] * 5 + ["parent ok"], proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+# -- GIL release, signals -------------------------------------------------------------
+
+
+def test_two_threads_waiting_finish_in_about_one_wait(pool_size):
+    pool_size(4)
+    futures = [_core.submit(lambda i=i: time.sleep(1) or i) for i in range(2)]
+    results = [None, None]
+
+    def wait_on(i):
+        results[i] = futures[i].result(WAIT)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=wait_on, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    elapsed = time.monotonic() - t0
+    assert results == [0, 1]
+    assert elapsed < 1.7, f"two 1 s waits took {elapsed:.2f} s: the GIL was held while waiting"
+
+
+CTRL_C_SCRIPT = """
+import sys, time
+from async_array import _core
+f = _core.submit(time.sleep, 30)
+print("waiting", flush=True)
+try:
+    f.result()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(0)
+print("not interrupted", flush=True)
+sys.exit(1)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child")
+def test_ctrl_c_interrupts_a_long_wait():
+    proc = spawn(CTRL_C_SCRIPT)
+    try:
+        assert proc.stdout.readline() == "waiting\n"
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        line = proc.stdout.readline()
+        elapsed = time.monotonic() - t0
+        _, err = proc.communicate(timeout=WAIT)
+    finally:
+        kill_group(proc)
+    assert line == "interrupted\n", err
+    assert elapsed < 1.0, f"KeyboardInterrupt came {elapsed:.2f} s after SIGINT"
+    assert proc.returncode == 0, err
+
+
+# -- stress ----------------------------------------------------------------------------
+
+
+def test_stress_8_threads_100k_futures():
+    threads_n, per_thread, batch = 8, 12_500, 500
+    errors: list[BaseException] = []
+    checked = [0] * threads_n
+
+    def run(t):
+        try:
+            base = t * per_thread
+            for start in range(0, per_thread, batch):
+                ids = range(base + start, base + start + batch)
+                fs = [_core.submit(divmod, i, 7) for i in ids]
+                # Half waited one by one, half in one wait_all.
+                if start % (2 * batch):
+                    assert _core.wait_all(fs, WAIT)
+                got = [f.result(WAIT) for f in fs]
+                assert got == [divmod(i, 7) for i in ids]
+                checked[t] += len(got)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(threads_n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    assert not errors, errors[:3]
+    assert sum(checked) == 100_000
+
+
+# -- configure --------------------------------------------------------------------------
+
+
+def test_configure_sets_the_pool_size(pool_size):
+    pool_size(3)
+    assert aa.max_workers() == 3
+    assert _core.pool_stats()["max_workers"] == 3
+    pool_size(None)
+    assert aa.max_workers() == min(32, (os.cpu_count() or 1) + 4)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "detail"),
+    [
+        (0, ValueError, "at least 1, got 0"),
+        (-1, ValueError, "at least 1, got -1"),
+        ("3", TypeError, "must be an integer, got str"),
+        (2.5, TypeError, "must be an integer, got float"),
+    ],
+)
+def test_configure_rejects_bad_values(pool_size, bad, error, detail):
+    pool_size(2)
+    with pytest.raises(error, match=r"aa\.configure") as info:
+        aa.configure(bad)
+    assert detail in str(info.value)
+    assert aa.max_workers() == 2, "a refused value leaves the pool as it was"
+
+
+def test_core_configure_rejects_zero():
+    with pytest.raises(ValueError, match="at least 1"):
+        _core.configure(0)
+
+
+def test_env_max_workers_is_the_default():
+    proc = run_script(
+        """
+        import async_array as aa
+        print(aa.max_workers())
+        aa.configure(5)
+        aa.configure()
+        print(aa.max_workers())
+        """,
+        env={"ASYNC_ARRAY_MAX_WORKERS": "3"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["3", "3"]
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-2", "2.5"])
+def test_bad_env_max_workers_is_a_clear_error(raw):
+    proc = run_script("import async_array", env={"ASYNC_ARRAY_MAX_WORKERS": raw})
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"ValueError: ASYNC_ARRAY_MAX_WORKERS must be a positive integer, got {raw!r}"
+    ), proc.stderr
+
+
+# -- wait_all and Watcher -----------------------------------------------------------------
+
+
+def test_wait_all_times_out_then_succeeds(pool_size):
+    pool_size(4)
+    release, held = gate()
+    fs = [held, _core.submit(lambda: "quick")]
+    t0 = time.monotonic()
+    assert _core.wait_all(fs, 0.2) is False
+    assert time.monotonic() - t0 >= 0.19
+    assert _core.wait_all(fs, 0) is False
+    release.set()
+    assert _core.wait_all(fs, WAIT) is True
+    assert [f.result(0) for f in fs] == ["released", "quick"]
+    assert _core.wait_all([], 0) is True
+
+
+def test_watcher_yields_completion_order(pool_size):
+    pool_size(4)
+    done_first = _core.submit(lambda: "early")
+    assert done_first.wait(WAIT)
+    manual = [_core.Future() for _ in range(4)]
+    watcher = _core.Watcher([manual[0], done_first, *manual[1:]])
+    assert watcher.next(0) == 1, "a future finished before watching comes first"
+    assert watcher.next(0) is None
+    assert watcher.next(0.05) is None
+    order = [3, 0, 2, 1]  # indices into `manual`
+    for i in order:
+        # Completed from another thread, one at a time.
+        t = threading.Thread(target=manual[i].set_result, args=(i,))
+        t.start()
+        t.join()
+    # Watcher indices are positions in the list it was given.
+    positions = {0: 0, 1: 2, 2: 3, 3: 4}
+    assert [watcher.next(WAIT) for _ in order] == [positions[i] for i in order]
+    assert watcher.next(0) is None
+
+
+def test_watcher_wakes_on_pool_completion(pool_size):
+    pool_size(4)
+    releases = []
+    futures = []
+    for _ in range(3):
+        release, held = gate()
+        releases.append(release)
+        futures.append(held)
+    watcher = _core.Watcher(futures)
+    for i in (2, 0, 1):
+        releases[i].set()
+        assert watcher.next(WAIT) == i
