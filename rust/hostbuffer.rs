@@ -3,17 +3,79 @@
 //! through DLPack (for a zero-copy hand-off to JAX).
 
 use crate::buffer::{self, AlignedBuf};
-use crate::dlpack::{self, DLDataType};
+use crate::dlpack::{self, code, DLDataType};
 use crate::error::Error;
-use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
-use std::ffi::{c_int, CString};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
+use std::ffi::{c_int, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 static UNIT_STRIDE: [isize; 1] = [1];
+
+static NUMPY_DTYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// A supported element type in DLPack and PEP 3118 terms.
+struct ElementType {
+    itemsize: usize,
+    code: u8,
+    /// None for bfloat16, which has no PEP 3118 code (numpy views it through
+    /// `__array__` instead).
+    format: Option<&'static CStr>,
+}
+
+impl ElementType {
+    /// The element type of a numpy dtype: bool, int8-64, uint8-64, float16,
+    /// bfloat16, float32, float64, complex64 or complex128, in native byte order.
+    fn of(dtype: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let kind: char = dtype.getattr("kind")?.extract()?;
+        let itemsize: usize = dtype.getattr("itemsize")?.extract()?;
+        let native: bool = dtype.getattr("isnative")?.extract()?;
+        let is_bfloat16 = dtype.getattr("name")?.extract::<String>()? == "bfloat16";
+        // numpy's own formats: 64-bit integers are 'l' where C long has 64 bits.
+        let long64 = std::mem::size_of::<std::ffi::c_long>() == 8;
+        let (code, format) = match (kind, itemsize) {
+            ('b', 1) => (code::BOOL, Some(c"?")),
+            ('i', 1) => (code::INT, Some(c"b")),
+            ('i', 2) => (code::INT, Some(c"h")),
+            ('i', 4) => (code::INT, Some(c"i")),
+            ('i', 8) => (code::INT, Some(if long64 { c"l" } else { c"q" })),
+            ('u', 1) => (code::UINT, Some(c"B")),
+            ('u', 2) => (code::UINT, Some(c"H")),
+            ('u', 4) => (code::UINT, Some(c"I")),
+            ('u', 8) => (code::UINT, Some(if long64 { c"L" } else { c"Q" })),
+            ('f', 2) => (code::FLOAT, Some(c"e")),
+            ('f', 4) => (code::FLOAT, Some(c"f")),
+            ('f', 8) => (code::FLOAT, Some(c"d")),
+            ('c', 8) => (code::COMPLEX, Some(c"Zf")),
+            ('c', 16) => (code::COMPLEX, Some(c"Zd")),
+            ('V', 2) if is_bfloat16 => (code::BFLOAT, None),
+            _ => return Err(Self::unsupported(dtype)),
+        };
+        if !native {
+            return Err(Self::unsupported(dtype));
+        }
+        Ok(ElementType {
+            itemsize,
+            code,
+            format,
+        })
+    }
+
+    fn unsupported(dtype: &Bound<'_, PyAny>) -> PyErr {
+        let name = dtype
+            .str()
+            .map_or_else(|_| "?".to_owned(), |s| s.to_string());
+        PyTypeError::new_err(format!(
+            "dtype {name} is not supported: a HostBuffer holds bool, int8-int64, \
+             uint8-uint64, float16, bfloat16, float32, float64, complex64 or \
+             complex128, in native byte order"
+        ))
+    }
+}
 
 /// 64-byte-aligned, C-contiguous host memory of a fixed shape and dtype.
 #[pyclass(frozen, module = "async_array._core")]
@@ -23,7 +85,7 @@ pub struct HostBuffer {
     dtype: Py<PyAny>,
     itemsize: usize,
     /// PEP 3118 format, when the dtype has one (bfloat16 has none).
-    format: Option<CString>,
+    format: Option<&'static CStr>,
     dl_dtype: DLDataType,
     /// Element-typed shape and strides, in bytes, for typed buffer views.
     view_shape: Vec<isize>,
@@ -41,18 +103,23 @@ impl HostBuffer {
 
 #[pymethods]
 impl HostBuffer {
-    /// Allocates the buffer. Called by `async_array.empty`, which works out the
-    /// dtype's description; `format` is None for dtypes without a PEP 3118 code.
+    /// Allocates an uninitialised buffer of `shape` elements of `dtype` (what
+    /// `async_array.empty` calls). The buffer works out its DLPack type and
+    /// PEP 3118 format from the dtype itself, so no description given from
+    /// outside can make an export claim more bytes than were allocated.
     #[new]
-    #[pyo3(signature = (shape, dtype, itemsize, format, dl_code, dl_bits))]
-    fn new(
-        shape: Vec<usize>,
-        dtype: Py<PyAny>,
-        itemsize: usize,
-        format: Option<String>,
-        dl_code: u8,
-        dl_bits: u8,
-    ) -> PyResult<Self> {
+    fn new(shape: Vec<isize>, dtype: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let dtype = NUMPY_DTYPE
+            .import(dtype.py(), "numpy", "dtype")?
+            .call1((dtype,))?;
+        let element = ElementType::of(&dtype)?;
+        let itemsize = element.itemsize;
+        if shape.iter().any(|&d| d < 0) {
+            return Err(PyValueError::new_err(format!(
+                "HostBuffer: negative dimension in shape {shape:?}"
+            )));
+        }
+        let shape: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
         let nbytes = shape
             .iter()
             .try_fold(itemsize, |acc, &d| acc.checked_mul(d))
@@ -73,12 +140,12 @@ impl HostBuffer {
             memory: Arc::new(memory),
             view_shape: shape.iter().map(|&d| d as isize).collect(),
             shape,
-            dtype,
+            dtype: dtype.unbind(),
             itemsize,
-            format: format.map(CString::new).transpose()?,
+            format: element.format,
             dl_dtype: DLDataType {
-                code: dl_code,
-                bits: dl_bits,
+                code: element.code,
+                bits: (itemsize * 8) as u8,
                 lanes: 1,
             },
             view_strides,
@@ -196,8 +263,9 @@ impl HostBuffer {
     }
 
     /// A numpy view of the memory (no copy unless `copy=True` or another `dtype`
-    /// is asked for). Read-only once the buffer is exported. numpy takes the
-    /// buffer protocol first; this serves dtypes that have no PEP 3118 code.
+    /// is asked for; that with `copy=False` is a ValueError, as numpy 2 asks).
+    /// Read-only once the buffer is exported. numpy takes the buffer protocol
+    /// first; this serves dtypes that have no PEP 3118 code.
     #[pyo3(signature = (dtype=None, copy=None))]
     fn __array__<'py>(
         slf: &Bound<'py, Self>,
@@ -214,9 +282,21 @@ impl HostBuffer {
             .call_method1("asarray", (Py::new(py, bytes)?,))?
             .call_method1("view", (this.dtype.bind(py),))?
             .call_method1("reshape", (PyTuple::new(py, &this.shape)?,))?;
-        if let Some(dtype) = dtype.filter(|d| !d.is_none()) {
-            array = array.call_method1("astype", (dtype,))?;
-        } else if copy == Some(true) {
+        let wanted = dtype.filter(|d| !d.is_none());
+        if let Some(wanted) = wanted {
+            let wanted = np.getattr("dtype")?.call1((wanted,))?;
+            if !wanted.eq(this.dtype.bind(py))? {
+                if copy == Some(false) {
+                    return Err(PyValueError::new_err(format!(
+                        "HostBuffer: a {} view of {} memory needs a copy, and copy=False forbids one",
+                        wanted.str()?,
+                        this.dtype.bind(py).str()?
+                    )));
+                }
+                return array.call_method1("astype", (wanted,));
+            }
+        }
+        if copy == Some(true) {
             array = array.call_method0("copy")?;
         }
         Ok(array)

@@ -2,42 +2,21 @@
 
 from __future__ import annotations
 
-import functools
 import operator
 from typing import Any
 
-import jax
 import numpy as np
 
 from ._core import HostBuffer
 
-# DLPack type codes (dlpack.h, DLDataTypeCode).
-_DL_CODES = {"b": 6, "i": 0, "u": 1, "f": 2, "c": 5}
-_DL_BFLOAT = 4
-
-
-@functools.lru_cache(maxsize=None)
-def _describe(dtype: np.dtype) -> tuple[str | None, int]:
-    """(PEP 3118 format or None, DLPack type code) of a supported dtype."""
-    if dtype == np.dtype(jax.numpy.bfloat16):
-        code = _DL_BFLOAT
-    elif dtype.kind in _DL_CODES and dtype.isnative:
-        code = _DL_CODES[dtype.kind]
-    else:
-        raise TypeError(
-            f"aa.empty: dtype {dtype} is not supported; HostBuffer holds bool, "
-            "int8-64, uint8-64, float16, bfloat16, float32, float64, complex64 "
-            "or complex128 in native byte order"
-        )
-    try:
-        fmt: str | None = memoryview(np.empty((0,), dtype)).format
-    except (ValueError, TypeError):
-        fmt = None  # e.g. bfloat16: numpy views it through __array__ instead
-    return fmt, code
-
 
 def _shape_tuple(shape: Any, where: str) -> tuple[int, ...]:
-    dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    try:
+        dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    except TypeError:
+        raise TypeError(
+            f"{where}: shape must be an integer or a tuple of them, got {shape!r}"
+        ) from None
     out = []
     for d in dims:
         try:
@@ -89,8 +68,10 @@ def empty(shape: int | tuple[int, ...], dtype: Any) -> HostBuffer:
         dt = np.dtype(dtype)
     except TypeError as exc:
         raise TypeError(f"aa.empty: unknown dtype {dtype!r}") from exc
-    fmt, code = _describe(dt)
-    return HostBuffer(dims, dt, dt.itemsize, fmt, code, dt.itemsize * 8)
+    try:
+        return HostBuffer(dims, dt)
+    except TypeError as exc:
+        raise TypeError(f"aa.empty: {exc}") from None
 
 
 def aligned_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

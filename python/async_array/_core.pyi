@@ -1,10 +1,11 @@
 """Type stubs of the Rust core (checked by `python -m mypy.stubtest async_array._core`)."""
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 __all__ = [
     "Future",
@@ -52,15 +53,7 @@ class Watcher:
 class HostBuffer:
     """64-byte-aligned host memory owned by the Rust core."""
 
-    def __new__(
-        cls,
-        shape: tuple[int, ...] | list[int],
-        dtype: np.dtype[Any],
-        itemsize: int,
-        format: str | None,
-        dl_code: int,
-        dl_bits: int,
-    ) -> HostBuffer: ...
+    def __new__(cls, shape: Sequence[int], dtype: DTypeLike) -> HostBuffer: ...
     @property
     def shape(self) -> tuple[int, ...]: ...
     @property
