@@ -338,10 +338,24 @@ pub fn _submit_rust_panic(message: String) -> PyResult<PyFuture> {
         fn run(self: Box<Self>) {
             let PanicTask(message, future) = *self;
             future.set_running();
-            let hook = std::panic::take_hook();
-            std::panic::set_hook(Box::new(|_| {}));
+            // Silence only this thread's panic message: swapping the global
+            // hook for the duration raced with other threads (two such tasks
+            // at once could leave every later panic silent).
+            static QUIET_HOOK: std::sync::Once = std::sync::Once::new();
+            thread_local! {
+                static QUIET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+            }
+            QUIET_HOOK.call_once(|| {
+                let previous = std::panic::take_hook();
+                std::panic::set_hook(Box::new(move |info| {
+                    if !QUIET.with(std::cell::Cell::get) {
+                        previous(info);
+                    }
+                }));
+            });
+            QUIET.with(|q| q.set(true));
             let caught = std::panic::catch_unwind(move || -> () { panic!("{message}") });
-            std::panic::set_hook(hook);
+            QUIET.with(|q| q.set(false));
             if let Err(payload) = caught {
                 future.complete(Outcome::Error(TaskError::Core(Error::Panic(
                     panic_message(&*payload),

@@ -350,6 +350,16 @@ def test_rust_panic_is_an_ordinary_runtime_error(pool_size):
     assert [_core.submit(hex, i).result(WAIT) for i in range(3)] == ["0x0", "0x1", "0x2"]
 
 
+def test_concurrent_rust_panics_each_fail_their_own_future_quietly(pool_size, capfd):
+    pool_size(4)
+    futures = [_core._submit_rust_panic(f"panic {i}") for i in range(16)]
+    for i, f in enumerate(futures):
+        with pytest.raises(RuntimeError, match=f"Rust panic in a worker: panic {i}$"):
+            f.result(WAIT)
+    assert [_core.submit(len, "ab").result(WAIT) for _ in range(4)] == [2] * 4
+    assert "panicked" not in capfd.readouterr().err
+
+
 # -- interpreter exit -------------------------------------------------------------------
 
 EXIT_SCRIPT = """
