@@ -36,10 +36,18 @@ const FINISHED: u8 = 3;
 
 type Callback<T, E> = Box<dyn FnOnce(&Outcome<T, E>) + Send>;
 
+/// What the future's mutex guards.
+struct Guarded<T, E> {
+    callbacks: Vec<Callback<T, E>>,
+    /// Threads sleeping on `cond`: std's `notify_all` is a system call even
+    /// with nobody to wake, so finishing a future nobody waits on skips it.
+    waiters: usize,
+}
+
 struct Shared<T, E> {
     phase: AtomicU8,
     outcome: OnceLock<Outcome<T, E>>,
-    callbacks: Mutex<Vec<Callback<T, E>>>,
+    guarded: Mutex<Guarded<T, E>>,
     cond: Condvar,
 }
 
@@ -68,7 +76,10 @@ impl<T, E> Future<T, E> {
             shared: Arc::new(Shared {
                 phase: AtomicU8::new(PENDING),
                 outcome: OnceLock::new(),
-                callbacks: Mutex::new(Vec::new()),
+                guarded: Mutex::new(Guarded {
+                    callbacks: Vec::new(),
+                    waiters: 0,
+                }),
                 cond: Condvar::new(),
             }),
         }
@@ -150,10 +161,12 @@ impl<T, E> Future<T, E> {
         // Only the thread that moved the phase to FINISHING gets here, so `set` succeeds.
         let _ = self.shared.outcome.set(outcome);
         let callbacks = {
-            let mut guard = lock(&self.shared.callbacks);
+            let mut guard = lock(&self.shared.guarded);
             self.shared.phase.store(FINISHED, Ordering::Release);
-            self.shared.cond.notify_all();
-            std::mem::take(&mut *guard)
+            if guard.waiters > 0 {
+                self.shared.cond.notify_all();
+            }
+            std::mem::take(&mut guard.callbacks)
         };
         // Callbacks run after the lock is released: they may call back into this future.
         let outcome = self.shared.outcome.get().expect("outcome was just set");
@@ -165,9 +178,9 @@ impl<T, E> Future<T, E> {
     /// Runs `callback` when the future finishes, or at once (on this thread) if it has.
     pub fn add_done_callback(&self, callback: impl FnOnce(&Outcome<T, E>) + Send + 'static) {
         {
-            let mut guard = lock(&self.shared.callbacks);
+            let mut guard = lock(&self.shared.guarded);
             if self.shared.phase.load(Ordering::Acquire) != FINISHED {
-                guard.push(Box::new(callback));
+                guard.callbacks.push(Box::new(callback));
                 return;
             }
         }
@@ -186,12 +199,14 @@ impl<T, E> Future<T, E> {
         if self.is_finished() {
             return true;
         }
-        let mut guard = lock(&self.shared.callbacks);
+        let mut guard = lock(&self.shared.guarded);
         while self.shared.phase.load(Ordering::Acquire) != FINISHED {
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return false;
             }
+            guard.waiters += 1;
             guard = wait_once(&self.shared.cond, guard, deadline);
+            guard.waiters -= 1;
         }
         true
     }
@@ -217,7 +232,8 @@ pub fn wait_all<T, E>(
 /// `wait(FIRST_COMPLETED)` and `as_completed`, O(1) per completion however many
 /// futures are watched.
 pub struct CompletionQueue {
-    ready: Mutex<VecDeque<usize>>,
+    /// Finished indices, and how many threads sleep on `cond` (see `Guarded`).
+    ready: Mutex<(VecDeque<usize>, usize)>,
     cond: Condvar,
 }
 
@@ -225,7 +241,7 @@ impl CompletionQueue {
     /// Watches `futures`; each one's index is queued when it finishes (at once if it has).
     pub fn watch<T: 'static, E: 'static>(futures: &[Future<T, E>]) -> Arc<Self> {
         let queue = Arc::new(CompletionQueue {
-            ready: Mutex::new(VecDeque::new()),
+            ready: Mutex::new((VecDeque::new(), 0)),
             cond: Condvar::new(),
         });
         for (i, future) in futures.iter().enumerate() {
@@ -236,26 +252,31 @@ impl CompletionQueue {
     }
 
     fn push(&self, index: usize) {
-        lock(&self.ready).push_back(index);
-        self.cond.notify_all();
+        let mut ready = lock(&self.ready);
+        ready.0.push_back(index);
+        if ready.1 > 0 {
+            self.cond.notify_all();
+        }
     }
 
     /// The next finished index, without blocking.
     pub fn try_pop(&self) -> Option<usize> {
-        lock(&self.ready).pop_front()
+        lock(&self.ready).0.pop_front()
     }
 
     /// The next finished index, waiting until `deadline`; `None` on timeout.
     pub fn pop_until(&self, deadline: Option<Instant>) -> Option<usize> {
         let mut guard = lock(&self.ready);
         loop {
-            if let Some(i) = guard.pop_front() {
+            if let Some(i) = guard.0.pop_front() {
                 return Some(i);
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return None;
             }
+            guard.1 += 1;
             guard = wait_once(&self.cond, guard, deadline);
+            guard.1 -= 1;
         }
     }
 }
