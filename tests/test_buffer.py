@@ -568,6 +568,13 @@ def test_bad_shapes_are_refused(shape, error, message):
         aa.empty(shape, np.float32)
 
 
+def test_allocation_beyond_the_address_space_is_a_memory_error(live):
+    # 256 TiB: more than x86-64 user space, whatever the overcommit policy.
+    with pytest.raises(MemoryError, match=f"could not allocate {1 << 48} bytes"):
+        aa.empty((1 << 46,), np.float32)
+    assert np.asarray(aa.empty((4,), np.float32)).shape == (4,), "the core still allocates"
+
+
 def test_unknown_dtype_is_refused():
     with pytest.raises(TypeError, match=r"aa\.empty: unknown dtype 'nonsense'"):
         aa.empty((2,), "nonsense")
