@@ -8,6 +8,6 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
-import jax  # noqa: E402
+import jax
 
 assert len(jax.devices()) >= 1

@@ -55,7 +55,7 @@ class Source:
         self.leaf_count = leaf_count
         self.key_path = key_path
         self.retrieved = False
-        self.leaf_errors: dict[int, tuple[BaseException, TracebackType | None]] | None = None
+        self.leaf_errors: dict[int, tuple[BaseException, TracebackType | None, list[str]]] | None = None
 
     def where(self, index: int) -> str:
         path = self.key_path(index)
@@ -63,35 +63,37 @@ class Source:
 
     def error(self, index: int) -> tuple[BaseException, TracebackType | None] | None:
         """Leaf ``index``'s exception and the traceback to raise it with, or
-        None; the future must be done. Raising with that traceback each time
-        keeps it from growing with repeated uses."""
+        None; the future must be done. Each call restores the exception's
+        notes and the caller raises with that traceback, so neither grows
+        with repeated uses (JAX adds a note whenever one passes through jit)."""
         fut = self.future
         if fut.cancelled():
             return (
                 concurrent.futures.CancelledError(f"{self.where(index)}: cancelled before it ran"),
                 None,
             )
-        exc = fut.exception(0)
-        if exc is not None:
-            return self._leaf_copy(index, exc)
-        value = fut.result(0)[index]
-        return (value, None) if isinstance(value, BaseException) else None
-
-    def _leaf_copy(
-        self, index: int, exc: BaseException
-    ) -> tuple[BaseException, TracebackType | None]:
-        """``exc`` with a note naming the leaf: the same object for a single
-        leaf, a shallow copy (same type, args, traceback, cause) for each leaf
-        of a tree, so notes of different leaves never mix."""
         errors = self.leaf_errors
-        if errors is None:
-            errors = self.leaf_errors = {}
-        found = errors.get(index)
+        found = errors.get(index) if errors is not None else None
         if found is None:
-            leaf_exc = exc if self.leaf_count == 1 else _shallow_copy(exc)
-            leaf_exc.add_note(f"async_array: raised in {self.where(index)}")
-            found = errors[index] = (leaf_exc, exc.__traceback__)
-        return found
+            exc = fut.exception(0)
+            if exc is not None:
+                # Same object for a single leaf; for a tree, a shallow copy per
+                # leaf (same type, args, traceback, cause) so notes never mix.
+                leaf_exc = exc if self.leaf_count == 1 else _shallow_copy(exc)
+                leaf_exc.add_note(f"async_array: raised in {self.where(index)}")
+                tb = exc.__traceback__
+            else:
+                value = fut.result(0)[index]
+                if not isinstance(value, BaseException):
+                    return None
+                leaf_exc, tb = value, None
+            found = (leaf_exc, tb, list(getattr(leaf_exc, "__notes__", ())))
+            if errors is None:
+                errors = self.leaf_errors = {}
+            errors[index] = found
+        leaf_exc, tb, notes = found
+        leaf_exc.__notes__ = list(notes)
+        return leaf_exc, tb
 
     def value(self, index: int, timeout: float | None) -> jax.Array:
         """Waits (GIL released) and returns leaf ``index``'s ``jax.Array``."""

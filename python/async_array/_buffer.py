@@ -16,7 +16,7 @@ _DL_CODES = {"b": 6, "i": 0, "u": 1, "f": 2, "c": 5}
 _DL_BFLOAT = 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _describe(dtype: np.dtype) -> tuple[str | None, int]:
     """(PEP 3118 format or None, DLPack type code) of a supported dtype."""
     if dtype == np.dtype(jax.numpy.bfloat16):

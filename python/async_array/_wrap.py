@@ -51,10 +51,16 @@ def _shape(shape: Any, where: str) -> tuple[int, ...]:
     return dims
 
 
-@functools.lru_cache(maxsize=1024)
+# Dtypes JAX keeps as they are, by x64 mode (the answer changes with jax_enable_x64).
+_unchanged: dict[tuple[np.dtype, bool], bool] = {}
+
+
 def _canonical(dtype: np.dtype, x64: bool) -> np.dtype:
-    # x64 is part of the key: the answer changes when jax_enable_x64 does.
-    return _jax_hooks.canonical_dtype(dtype, "async_wrap")
+    if _unchanged.get((dtype, x64)):
+        return dtype
+    out = _jax_hooks.canonical_dtype(dtype, "async_wrap")  # warns when it narrows
+    _unchanged[(dtype, x64)] = out == dtype
+    return out
 
 
 def _dtype(dtype: Any, where: str) -> np.dtype:
