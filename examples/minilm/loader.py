@@ -29,6 +29,7 @@ import struct
 import sys
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,17 +96,23 @@ def read_header(url: str, *, timeout: float = 10.0, skip: frozenset[str] = SKIP)
     guess = 64 * 1024
     t0 = time.perf_counter()
     head = bytearray(guess)
-    with _get(url, 0, guess, timeout, "the safetensors header") as (resp, got_end):
-        first_byte_s = time.perf_counter() - t0
-        n = _read_into(resp, memoryview(head)[:got_end], url, 0, "the safetensors header")
+    first_byte: list[float] = []
+    n = _fetch(
+        url,
+        0,
+        memoryview(head),
+        timeout=timeout,
+        what="the safetensors header",
+        on_response=lambda: first_byte.append(time.perf_counter() - t0),
+    )
     if n < 8:
-        raise FetchError(f"{url}: the safetensors header needs 8 bytes, got {n}")
+        raise FetchError(f"{url}: the safetensors header needs 8 bytes, the file has {n}")
     (size,) = struct.unpack("<Q", head[:8])
     if 8 + size > n:  # a long header: fetch the rest
-        rest = bytearray(8 + size - n)
-        with _get(url, n, 8 + size, timeout, "the safetensors header") as (resp, _):
-            _read_into(resp, memoryview(rest), url, n, "the safetensors header")
-        head = head[:n] + rest
+        head = head[:n] + bytearray(8 + size - n)
+        rest = memoryview(head)[n:]
+        if _fetch(url, n, rest, timeout=timeout, what="the safetensors header") < len(rest):
+            raise FetchError(f"{url}: the file ends inside its {size}-byte safetensors header")
     try:
         entries = json.loads(head[8 : 8 + size])
     except ValueError as exc:
@@ -125,7 +132,7 @@ def read_header(url: str, *, timeout: float = 10.0, skip: frozenset[str] = SKIP)
         begin, end = entry["data_offsets"]
         ranges[name] = (8 + size + begin, 8 + size + end)
         _nest(like, name, jax.ShapeDtypeStruct(tuple(entry["shape"]), DTYPES[entry["dtype"]]))
-    return Header(url, like, ranges, tuple(skipped), first_byte_s)
+    return Header(url, like, ranges, tuple(skipped), first_byte[0])
 
 
 def load(header: Header, *, timeout: float = 10.0) -> dict[str, Any]:
@@ -154,8 +161,12 @@ def load(header: Header, *, timeout: float = 10.0) -> dict[str, Any]:
                 f"tensor {name}: the header gives {end - start} bytes for shape "
                 f"{spec.shape} {np.dtype(spec.dtype).name}, which needs {len(view)}"
             )
-        with _get(header.url, start, end, timeout, f"tensor {name}") as (resp, _):
-            _read_into(resp, view, header.url, start, f"tensor {name}")
+        got = _fetch(header.url, start, view, timeout=timeout, what=f"tensor {name}")
+        if got < len(view):
+            raise FetchError(
+                f"tensor {name}: GET {header.url} bytes {start}-{end - 1}: expected "
+                f"{len(view)} bytes, the file ends after {got}: it is shorter than its header says"
+            )
         del view  # a HostBuffer is handed to JAX only with no view left
         if sys.byteorder == "big":
             np.asarray(buf).byteswap(inplace=True)
@@ -176,66 +187,66 @@ def _nest(tree: dict[str, Any], dotted: str, leaf: Any) -> None:
     node[last] = leaf
 
 
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)$")
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)$")
 
 
-class _get:
-    """``with _get(url, start, end, timeout, what) as (response, end):`` one range
-    request for bytes ``[start, end)``; ``end`` as the server answered it (shorter
-    when the file is). Raises ``FetchError`` unless the answer is a matching 206."""
-
-    def __init__(self, url: str, start: int, end: int, timeout: float, what: str):
-        self.url, self.start, self.end, self.timeout, self.what = url, start, end, timeout, what
-        self.conn: http.client.HTTPConnection | None = None
-
-    def __enter__(self) -> tuple[http.client.HTTPResponse, int]:
-        where = f"{self.what}: GET {self.url} bytes {self.start}-{self.end - 1}"
-        parts = urllib.parse.urlsplit(self.url)
-        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout)
-        try:
-            self.conn.request(
-                "GET", parts.path, headers={"Range": f"bytes={self.start}-{self.end - 1}"}
-            )
-            resp = self.conn.getresponse()
-        except OSError as exc:  # refused, reset, timed out
-            self.conn.close()
-            raise FetchError(f"{where}: {type(exc).__name__}: {exc}") from exc
-        if resp.status != 206:
-            self.conn.close()
-            raise FetchError(
-                f"{where}: HTTP {resp.status} {resp.reason} (expected 206 Partial Content)"
-            )
-        match = _CONTENT_RANGE.match(resp.getheader("Content-Range", ""))
-        if not match or int(match[1]) != self.start:
-            self.conn.close()
-            raise FetchError(f"{where}: bad Content-Range {resp.getheader('Content-Range')!r}")
-        return resp, int(match[2]) + 1
-
-    def __exit__(self, *exc: object) -> None:
-        assert self.conn is not None
-        self.conn.close()
-
-
-def _read_into(
-    resp: http.client.HTTPResponse, view: memoryview, url: str, start: int, what: str
+def _fetch(
+    url: str,
+    start: int,
+    into: memoryview,
+    *,
+    timeout: float,
+    what: str,
+    on_response: Callable[[], None] | None = None,
 ) -> int:
-    """Fills ``view`` (bytes) from ``resp``; returns the bytes read.
+    """GETs bytes ``[start, start + len(into))`` of ``url`` into ``into`` (a byte view).
+
+    Args:
+      url: the file's URL.
+      start: first byte, from the file's start.
+      into: where the bytes go, read with ``readinto`` (no copy).
+      timeout: socket timeout in seconds (connect and each read).
+      what: how messages name the bytes, e.g. ``"tensor embeddings.LayerNorm.bias"``.
+      on_response: called once the status line and headers have arrived.
+
+    Returns:
+      The bytes read: ``len(into)``, or fewer when the file ends first.
 
     Raises:
-      FetchError: the body ended or stalled before ``len(view)`` bytes came.
+      FetchError: the server refused, answered other than 206 for ``start``, or
+        the body ended, stalled or broke before it had sent all it promised.
     """
-    got, want = 0, len(view)
+    want = len(into)
     where = f"{what}: GET {url} bytes {start}-{start + want - 1}"
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    got = 0
     try:
-        while got < want:
-            n = resp.readinto(view[got:])
+        conn.request("GET", parts.path, headers={"Range": f"bytes={start}-{start + want - 1}"})
+        resp = conn.getresponse()
+        if on_response is not None:
+            on_response()
+        content_range = resp.getheader("Content-Range", "")
+        if resp.status != 206:
+            detail = f", Content-Range {content_range!r}" if content_range else ""
+            raise FetchError(f"{where}: HTTP {resp.status} {resp.reason}{detail}, expected 206")
+        match = _CONTENT_RANGE.match(content_range)
+        if not match or int(match[1]) != start:
+            raise FetchError(f"{where}: Content-Range {content_range!r} does not match")
+        promised = int(match[2]) + 1 - start  # fewer than want when the file is shorter
+        while got < promised:
+            n = resp.readinto(into[got:promised])
             if not n:
-                break
+                raise FetchError(
+                    f"{where}: expected {promised} bytes, got {got}: the connection closed"
+                )
             got += n
-    except (http.client.HTTPException, OSError) as exc:  # dropped, reset, timed out
+    except (http.client.HTTPException, OSError) as exc:  # refused, reset, timed out
+        if isinstance(exc, FetchError):
+            raise
         raise FetchError(
             f"{where}: expected {want} bytes, got {got}: {type(exc).__name__}: {exc}"
         ) from exc
-    if got < want:
-        raise FetchError(f"{where}: expected {want} bytes, got {got} (the file ends early)")
+    finally:
+        conn.close()
     return got
