@@ -187,6 +187,7 @@ def _nest(tree: dict[str, Any], dotted: str, leaf: Any) -> None:
     node[last] = leaf
 
 
+_SLICE = 64 * 1024  # bytes a readinto call asks for
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)$")
 
 
@@ -220,7 +221,7 @@ def _fetch(
     where = f"{what}: GET {url} bytes {start}-{start + want - 1}"
     parts = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-    got = 0
+    got, resp = 0, None
     try:
         conn.request("GET", parts.path, headers={"Range": f"bytes={start}-{start + want - 1}"})
         resp = conn.getresponse()
@@ -235,7 +236,9 @@ def _fetch(
             raise FetchError(f"{where}: Content-Range {content_range!r} does not match")
         promised = int(match[2]) + 1 - start  # fewer than want when the file is shorter
         while got < promised:
-            n = resp.readinto(into[got:promised])
+            # In slices, so that `got` counts what came before a stall or reset
+            # (a buffered readinto keeps reading until its slice is full).
+            n = resp.readinto(into[got : min(got + _SLICE, promised)])
             if not n:
                 raise FetchError(
                     f"{where}: expected {promised} bytes, got {got}: the connection closed"
@@ -248,5 +251,7 @@ def _fetch(
             f"{where}: expected {want} bytes, got {got}: {type(exc).__name__}: {exc}"
         ) from exc
     finally:
+        if resp is not None:
+            resp.close()  # owns the socket when the server said Connection: close
         conn.close()
     return got

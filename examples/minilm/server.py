@@ -151,7 +151,7 @@ class _Handler(BaseHTTPRequestHandler):
             state.requests += 1
         time.sleep(state.latency_s)
         if self.path != "/" + state.path.name:
-            self.send_error(HTTPStatus.NOT_FOUND, f"no file {self.path}")
+            self.send_error(HTTPStatus.NOT_FOUND, explain=f"no file {self.path}")
             return
         start, end, status = 0, state.size, HTTPStatus.OK
         match = _RANGE.match(self.headers.get("Range", ""))
@@ -167,7 +167,7 @@ class _Handler(BaseHTTPRequestHandler):
             status = HTTPStatus.PARTIAL_CONTENT
         fault = state.faults.get(start) if match else None
         if fault == "404":
-            self.send_error(HTTPStatus.NOT_FOUND, f"bytes {start}-{end - 1} are gone")
+            self.send_error(HTTPStatus.NOT_FOUND, explain=f"bytes {start}-{end - 1} are gone")
             return
         self.send_response(status)
         if status == HTTPStatus.PARTIAL_CONTENT:
