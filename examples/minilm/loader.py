@@ -155,7 +155,9 @@ def load(header: Header, *, timeout: float = 10.0) -> dict[str, Any]:
         name = ".".join(str(k.key) for k in key_path)
         start, end = header.ranges[name]
         buf = aa.empty(spec.shape, spec.dtype)
-        view = memoryview(buf).cast("B")
+        # Its flat bytes, to fill in slices. (memoryview(buf) would refuse
+        # bfloat16, which has no PEP 3118 code; numpy's view serves every dtype.)
+        view = memoryview(np.asarray(buf).reshape(-1).view(np.uint8))
         if len(view) != end - start:
             raise FetchError(
                 f"tensor {name}: the header gives {end - start} bytes for shape "
@@ -167,7 +169,7 @@ def load(header: Header, *, timeout: float = 10.0) -> dict[str, Any]:
                 f"tensor {name}: GET {header.url} bytes {start}-{end - 1}: expected "
                 f"{len(view)} bytes, the file ends after {got}: it is shorter than its header says"
             )
-        del view  # a HostBuffer is handed to JAX only with no view left
+        del view  # no writable view may outlive the hand-off to JAX (see aa.empty)
         if sys.byteorder == "big":
             np.asarray(buf).byteswap(inplace=True)
         return buf

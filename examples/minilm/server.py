@@ -37,7 +37,11 @@ FAULTS = ("drop", "404", "stall")
 
 
 class Link:
-    """A shared link of ``bandwidth`` MB/s: each chunk waits for its slot."""
+    """One link shared by every connection: each chunk waits for its slot.
+
+    Args:
+      bandwidth: MB/s (10**6 bytes a second); None or 0 for no limit.
+    """
 
     def __init__(self, bandwidth: float | None):
         self.bytes_per_s = None if not bandwidth else bandwidth * 1e6
@@ -57,8 +61,9 @@ class Link:
             time.sleep(delay)
 
 
-def tensor_ranges(path: Path) -> dict[str, tuple[int, int]]:
-    """Absolute byte range ``[start, end)`` of each tensor of a safetensors file."""
+def tensor_ranges(path: str | Path) -> dict[str, tuple[int, int]]:
+    """Each tensor's byte range ``(start, end)`` in a safetensors file, end exclusive,
+    counted from the file's first byte (a local read, no HTTP)."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
