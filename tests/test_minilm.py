@@ -204,6 +204,46 @@ def test_server_ranges_and_bandwidth_knob():
         WeightServer(model.WEIGHTS, faults={"nope": "drop"})
 
 
+def test_loader_on_other_dtypes_and_a_long_header(tmp_path):
+    """Not MiniLM: a file whose header needs a second request (over 64 KiB), with
+    float16, bfloat16 and int32 tensors beside float32."""
+    rng = np.random.default_rng(0)
+    dtypes = {"F32": np.float32, "F16": np.float16, "BF16": jax.numpy.bfloat16, "I32": np.int32}
+    tensors = {
+        f"block.{i}.a_long_parameter_name_to_make_the_header_big.{code.lower()}": (
+            rng.normal(size=(2, 3 + i % 5)) * 100
+        ).astype(dt)
+        for i in range(150)
+        for code, dt in dtypes.items()
+    }
+    header, offset = {}, 0
+    for name, array in tensors.items():
+        code = next(c for c, dt in dtypes.items() if array.dtype == dt)
+        header[name] = {
+            "dtype": code,
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+    text = json.dumps(header).encode()
+    assert len(text) > 64 * 1024
+    path = tmp_path / "other.safetensors"
+    path.write_bytes(
+        len(text).to_bytes(8, "little") + text + b"".join(a.tobytes() for a in tensors.values())
+    )
+    with WeightServer(path) as server:
+        remote = loader.read_header(server.url, skip=frozenset())
+        params = aa.materialize(loader.load(remote), timeout=30)
+        assert server.requests == 2 + len(tensors)  # the header took two
+    assert len(jax.tree.leaves(params)) == len(tensors)
+    for name, array in tensors.items():
+        leaf = params
+        for key in name.split("."):
+            leaf = leaf[key]
+        assert leaf.dtype == array.dtype, name
+        np.testing.assert_array_equal(np.asarray(leaf), array)
+
+
 @needs_reference
 def test_cli_prints_embeddings_and_timeline():
     sentences = [RECORDS[1]["sentence"], "A second sentence."]
