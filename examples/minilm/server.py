@@ -124,7 +124,10 @@ class WeightServer:
         port = self._httpd.server_address[1]
         self.url = f"http://127.0.0.1:{port}/{self.path.name}"
         threading.Thread(
-            target=self._httpd.serve_forever, name="weight-server", daemon=True
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},  # s between checks for shutdown: close() is quick
+            name="weight-server",
+            daemon=True,
         ).start()
         return self
 
