@@ -191,11 +191,15 @@ class _Handler(BaseHTTPRequestHandler):
         with open(state.path, "rb") as f:
             f.seek(start)
             pos = start
-            while pos < stop:
-                chunk = f.read(min(CHUNK, stop - pos))
-                state.link.send(len(chunk))
-                self.wfile.write(chunk)
-                pos += len(chunk)
+            try:
+                while pos < stop:
+                    chunk = f.read(min(CHUNK, stop - pos))
+                    state.link.send(len(chunk))
+                    self.wfile.write(chunk)
+                    pos += len(chunk)
+            except ConnectionError:  # the client went away (its timeout, say)
+                self.close_connection = True
+                return
         if fault == "stall":
             self.wfile.flush()
             state.closing.wait()
