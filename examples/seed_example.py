@@ -12,10 +12,11 @@ import argparse
 import sys
 import time
 
-import async_array as aa
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import async_array as aa
 
 T0 = time.perf_counter()
 

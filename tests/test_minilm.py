@@ -24,11 +24,12 @@ pytest.importorskip("tokenizers", reason="the [minilm] extra: run `make install`
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "minilm"
 sys.path.insert(0, str(EXAMPLE))
 
-import async_array as aa  # noqa: E402
 import jax  # noqa: E402
 import loader  # noqa: E402
 import model  # noqa: E402
 from server import WeightServer, tensor_ranges  # noqa: E402
+
+import async_array as aa  # noqa: E402
 
 REFERENCE = Path(os.environ.get("MINILM_REFERENCE", "/work/shared/minilm/reference.json"))
 RECORDS = json.loads(REFERENCE.read_text())["records"] if REFERENCE.exists() else []

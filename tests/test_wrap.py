@@ -68,7 +68,9 @@ def test_seed_scenario_compiles_while_f_runs():
     total = time.perf_counter() - t0
 
     assert returned < 0.05
-    np.testing.assert_allclose(np.asarray(y), np.asarray(_chain(n)(np.arange(4, dtype=F32))), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(y), np.asarray(_chain(n)(np.arange(4, dtype=F32))), rtol=1e-5
+    )
     sequential = load + compile_s
     # Overlapped: about max(load, compile) + run. Generous: half the overlap is enough.
     assert total < sequential - 0.5 * min(load, compile_s) + 0.3, (total, load, compile_s)
@@ -221,7 +223,10 @@ AWKWARD = {
     "strided": (lambda: _BASE[::2, ::3], (2, 2)),
     "reversed": (lambda: _BASE[::-1, ::-1], (4, 6)),
     "transposed": (lambda: _BASE.T, (6, 4)),
-    "readonly_frombuffer": (lambda: np.frombuffer(_BASE.tobytes(), np.float64).reshape(4, 6), (4, 6)),
+    "readonly_frombuffer": (
+        lambda: np.frombuffer(_BASE.tobytes(), np.float64).reshape(4, 6),
+        (4, 6),
+    ),
     "broadcast_view": (lambda: np.broadcast_to(_BASE[0], (3, 6)), (3, 6)),
     "view_of_jax_array": (lambda: np.asarray(jnp.asarray(_BASE, dtype=F32)), (4, 6)),
     "big_endian": (lambda: _BASE.astype(">f8"), (4, 6)),

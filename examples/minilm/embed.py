@@ -30,13 +30,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import async_array as aa
 import jax
 import jax.numpy as jnp
 import loader
 import model
 import numpy as np
 from server import WeightServer
+
+import async_array as aa
 
 
 def embed_async(url: str, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, float]]:

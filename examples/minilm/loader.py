@@ -33,9 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import async_array as aa
 import jax
 import numpy as np
+
+import async_array as aa
 
 #: safetensors dtype names -> numpy dtypes (stored little-endian).
 DTYPES = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import inspect
 import logging
 import math
 from collections.abc import Callable, Generator, Sequence
@@ -55,7 +56,9 @@ class Source:
         self.leaf_count = leaf_count
         self.key_path = key_path
         self.retrieved = False
-        self.leaf_errors: dict[int, tuple[BaseException, TracebackType | None, list[str]]] | None = None
+        self.leaf_errors: (
+            dict[int, tuple[BaseException, TracebackType | None, list[str]]] | None
+        ) = None
 
     def where(self, index: int) -> str:
         path = self.key_path(index)
@@ -378,21 +381,17 @@ class AsyncArray(jax.Array):
     def __format__(self, spec: str) -> str:
         return format(self.result(), spec)
 
-    def __jax_array__(self) -> jax.Array:
+    @property
+    def __jax_array__(self) -> Callable[[], jax.Array]:
+        # A property, so that without the hooks JAX's own probe for this
+        # attribute raises the error that names the public route.
         if _jax_hooks.ERROR is not None:
             raise _jax_hooks.hooks_error()
-        return self.result()
+        return self.result
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         out = np.asarray(self.result(), dtype=dtype)
         return out.copy() if copy else out
-
-    def __getattr__(self, name: str) -> Any:
-        # Only names of the concrete jax.Array: a probe for anything else
-        # (hasattr(x, "foo")) answers at once instead of waiting.
-        if name in _FORWARDED_ATTRS:
-            return getattr(self.result(), name)
-        raise AttributeError(f"'AsyncArray' object has no attribute {name!r}")
 
     def __reduce__(self) -> Any:
         return self.result().__reduce__()
@@ -440,24 +439,17 @@ for _name in _OPERATORS:
     if hasattr(_ArrayImpl, _name):
         setattr(AsyncArray, _name, _forward(_name))
 
-# What jax.Array declares but cannot answer without the value.
-_NEEDS_VALUE = (
-    "addressable_data", "addressable_shards", "global_shards", "copy_to_host_async",
-    "delete", "is_deleted", "on_device_size_in_bytes", "unsafe_buffer_pointer",
-    "to_device", "traceback",
-)  # fmt: skip
-for _name in _NEEDS_VALUE:
-    _static = getattr(_ArrayImpl, _name, None)
-    if _static is None:
+# Every other public name of the concrete jax.Array (methods such as sum or
+# reshape, properties such as T or at) waits and defers to the result. Names
+# jax.Array lacks stay missing, so hasattr(x, "foo") answers without waiting.
+for _name in dir(_ArrayImpl):
+    if _name.startswith("_") or _name in AsyncArray.__dict__:
         continue
-    if isinstance(_static, property) or not callable(_static):
-        setattr(AsyncArray, _name, _forward_property(_name))
-    else:
+    _static = inspect.getattr_static(_ArrayImpl, _name)
+    if callable(_static) and not isinstance(_static, property):
         setattr(AsyncArray, _name, _forward(_name))
-
-_FORWARDED_ATTRS = frozenset(
-    name for name in dir(_ArrayImpl) if not name.startswith("_") and not hasattr(AsyncArray, name)
-)
+    else:
+        setattr(AsyncArray, _name, _forward_property(_name))
 
 
 def resolve_all(leaves: Sequence[Any], timeout: float | None = None) -> list[Any]:

@@ -74,9 +74,10 @@ if ERROR is not None:
     ERROR += _PUBLIC_ROUTE
 
 
-def hooks_error() -> TypeError:
-    """The error to raise where JAX would need the missing hooks."""
-    return TypeError(f"jax.jit and jnp cannot take an AsyncArray directly: {ERROR}")
+def hooks_error() -> RuntimeError:
+    """The error to raise where JAX would need the missing hooks (a
+    RuntimeError: JAX rewraps a TypeError raised while it reads an argument)."""
+    return RuntimeError(f"jax.jit and jnp cannot take an AsyncArray directly: {ERROR}")
 
 
 def install(array_type: type, resolve_all: Callable[[Sequence[Any]], list[jax.Array]]) -> None:
