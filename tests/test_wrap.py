@@ -300,7 +300,7 @@ def test_same_kind_casts_are_checked_for_loss():
     assert "int32" in msg and "int64" in msg
     assert msg.startswith("async_wrap(test_same_kind_casts_are_checked_for_loss.<locals>.<lambda>)")
 
-    with pytest.raises(OverflowError, match="float32.*float64|float64.*float32"):
+    with pytest.raises(OverflowError, match=r"float32.*float64|float64.*float32"):
         aa.async_wrap(lambda: np.array([1e39]), shape=(1,), dtype=F32).result()
     with pytest.raises(OverflowError, match="uint8"):
         aa.async_wrap(lambda: np.array([-1]), shape=(1,), dtype=np.uint8).result()

@@ -19,6 +19,9 @@ from . import _core, _jax_hooks
 
 _LOG = logging.getLogger("async_array")
 
+# A leaf's exception, the traceback it left its task with, and its notes then.
+_LeafError = tuple[BaseException, TracebackType | None, list[str]]
+
 
 class Source:
     """One task's output shared by its leaves (an ``async_wrap`` call, one
