@@ -27,7 +27,7 @@ def after(seconds, value):
     return f
 
 
-# -- materialize ------------------------------------------------------------------------
+# -- materialize ----------------------------------------------------------------
 
 
 def test_materialize_returns_jax_arrays_and_passes_other_leaves():
@@ -82,7 +82,7 @@ def test_one_hundred_thousand_leaves_values_and_key_paths():
         assert keystr(path) == f"['{layer}']['{w}']"
 
 
-# -- wait ------------------------------------------------------------------------------------
+# -- wait ----------------------------------------------------------------
 
 
 def _three():
@@ -140,7 +140,7 @@ def test_wait_timeout_is_not_an_error():
         aa.wait(tree, return_when="SOMETIMES")
 
 
-# -- as_completed --------------------------------------------------------------------------------
+# -- as_completed ----------------------------------------------------------------
 
 
 def test_as_completed_follows_completion_order():
@@ -164,7 +164,7 @@ def test_as_completed_yields_a_tasks_leaves_together_and_times_out():
         next(it)
 
 
-# -- async_map ---------------------------------------------------------------------------------------
+# -- async_map ----------------------------------------------------------------
 
 
 def test_async_map_calls_fn_per_leaf_with_key_path_and_spec():
@@ -226,7 +226,7 @@ def test_async_map_ten_thousand_leaves():
     assert [int(out[i][0]) for i in (0, 1, 5000, 9999)] == [0, 1, 5000, 9999]
 
 
-# -- async_stream -------------------------------------------------------------------------------------
+# -- async_stream ----------------------------------------------------------------
 
 
 def test_async_stream_leaves_ready_as_yielded():

@@ -285,7 +285,7 @@ def test_f_using_jax_while_the_main_thread_dispatches():
     assert all(float(o[0]) == 2.0 for o in outs)
 
 
-# -- casting ----------------------------------------------------------------------
+# -- casting ----------------------------------------------------------------
 
 
 def test_same_kind_casts_are_checked_for_loss():
@@ -328,7 +328,7 @@ def test_shape_must_match_exactly():
     assert ".<lambda>) result: " in str(e.value)
 
 
-# -- pytrees -------------------------------------------------------------------------
+# -- pytrees ----------------------------------------------------------------
 
 
 def test_like_tree_matches_by_key_path():
