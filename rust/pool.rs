@@ -53,6 +53,15 @@ struct Inner {
     state: Mutex<State>,
     work: Condvar,
     name: String,
+    hooks: ThreadHooks,
+}
+
+/// Called on each worker thread when it starts and when it retires (not when
+/// the process exits or forks).
+#[derive(Clone, Copy, Default)]
+pub struct ThreadHooks {
+    pub start: Option<fn()>,
+    pub stop: Option<fn()>,
 }
 
 /// Counters for tests and benchmarks.
@@ -72,16 +81,21 @@ pub struct Pool {
 }
 
 thread_local! {
-    static IS_WORKER: Cell<bool> = const { Cell::new(false) };
+    /// This worker's slot in `State::running`; None off the pool's threads.
+    static SLOT: Cell<Option<usize>> = const { Cell::new(None) };
 }
 
 /// True on a pool worker thread.
 pub fn on_worker_thread() -> bool {
-    IS_WORKER.with(|w| w.get())
+    SLOT.with(|w| w.get()).is_some()
 }
 
 impl Pool {
     pub fn new(name: &str, max_workers: usize) -> Self {
+        Self::with_hooks(name, max_workers, ThreadHooks::default())
+    }
+
+    pub fn with_hooks(name: &str, max_workers: usize, hooks: ThreadHooks) -> Self {
         Pool {
             inner: Arc::new(Inner {
                 state: Mutex::new(State {
@@ -97,21 +111,47 @@ impl Pool {
                 }),
                 work: Condvar::new(),
                 name: name.to_owned(),
+                hooks,
             }),
         }
     }
 
     /// Queues `job`; it runs on a worker in FIFO order.
     pub fn submit(&self, job: Box<dyn Job>) -> Result<(), SubmitError> {
+        self.submit_all(vec![job])
+    }
+
+    /// Queues every job under one lock, waking as many workers as there is work.
+    pub fn submit_all(&self, jobs: Vec<Box<dyn Job>>) -> Result<(), SubmitError> {
         let mut st = self.inner.state.lock();
         if st.shutdown {
             drop(st);
-            job.cancel();
+            jobs.into_iter().for_each(|job| job.cancel());
             return Err(SubmitError::ShutDown);
         }
-        st.queue.push_back(job);
-        self.wake_or_spawn(&mut st);
+        let n = jobs.len();
+        st.queue.extend(jobs);
+        for _ in 0..n {
+            if st.sleeping == 0 && st.threads - st.blocked >= st.max_workers {
+                break;
+            }
+            self.wake_or_spawn(&mut st);
+        }
         Ok(())
+    }
+
+    /// On a worker, the next queued job to run right away (the caller runs it
+    /// before returning to the pool); None off the pool's threads, when the
+    /// queue is empty, or when this worker should retire.
+    pub fn try_pop(&self) -> Option<Box<dyn Job>> {
+        let slot = SLOT.with(|w| w.get())?;
+        let mut st = self.inner.state.lock();
+        if st.shutdown || st.threads - st.blocked > st.max_workers {
+            return None;
+        }
+        let job = st.queue.pop_front()?;
+        st.running[slot] = job.abandon_handle();
+        Some(job)
     }
 
     fn wake_or_spawn(&self, st: &mut State) {
@@ -143,13 +183,20 @@ impl Pool {
     }
 
     fn worker(&self, slot: usize) {
-        IS_WORKER.with(|w| w.set(true));
+        SLOT.with(|w| w.set(Some(slot)));
+        if let Some(start) = self.inner.hooks.start {
+            start();
+        }
         let mut st = self.inner.state.lock();
         loop {
             // Retire first: a worker back from `blocking` may leave the pool over size.
             if st.shutdown || st.threads - st.blocked > st.max_workers {
                 st.threads -= 1;
                 st.free_slots.push(slot);
+                drop(st);
+                if let Some(stop) = self.inner.hooks.stop {
+                    stop();
+                }
                 return;
             }
             if let Some(job) = st.queue.pop_front() {
@@ -401,6 +448,71 @@ mod tests {
             future: F::new(),
         }));
         assert_eq!(refused, Err(SubmitError::ShutDown));
+    }
+
+    #[test]
+    fn a_worker_can_take_the_next_job_itself() {
+        let pool = Pool::new("t", 1);
+        assert!(pool.try_pop().is_none(), "only workers take jobs");
+        let p = pool.clone();
+        let taken = submit(&pool, move || {
+            while p.stats().queued == 0 {
+                std::thread::yield_now();
+            }
+            // Runs the job queued behind this one, on this same thread.
+            let next = p.try_pop().expect("queued job");
+            next.run();
+            7
+        });
+        let queued = submit(&pool, || 8);
+        assert_eq!(value(&taken), 7);
+        assert_eq!(value(&queued), 8);
+    }
+
+    #[test]
+    fn submit_all_runs_every_job() {
+        let pool = Pool::new("t", 3);
+        let fs: Vec<F> = (0..50).map(|_| F::new()).collect();
+        let jobs: Vec<Box<dyn Job>> = fs
+            .iter()
+            .enumerate()
+            .map(|(i, f)| {
+                Box::new(Task {
+                    f: move || i,
+                    future: f.clone(),
+                }) as Box<dyn Job>
+            })
+            .collect();
+        pool.submit_all(jobs).unwrap();
+        for (i, f) in fs.iter().enumerate() {
+            assert_eq!(value(f), i);
+        }
+        assert!(pool.stats().spawned_total <= 3);
+    }
+
+    #[test]
+    fn thread_hooks_run_on_start_and_retire() {
+        static STARTED: AtomicUsize = AtomicUsize::new(0);
+        static STOPPED: AtomicUsize = AtomicUsize::new(0);
+        let hooks = ThreadHooks {
+            start: Some(|| {
+                STARTED.fetch_add(1, Ordering::SeqCst);
+            }),
+            stop: Some(|| {
+                STOPPED.fetch_add(1, Ordering::SeqCst);
+            }),
+        };
+        let pool = Pool::with_hooks("t", 2, hooks);
+        let fs: Vec<F> = (0..4).map(|i| submit(&pool, move || i)).collect();
+        fs.iter().for_each(|f| assert!(value(f) < 4));
+        let started = STARTED.load(Ordering::SeqCst);
+        assert!((1..=2).contains(&started));
+        pool.shutdown();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while STOPPED.load(Ordering::SeqCst) < started && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(STOPPED.load(Ordering::SeqCst), started);
     }
 
     #[test]

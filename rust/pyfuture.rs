@@ -1,16 +1,20 @@
 //! Python bindings of the pool and futures: `submit`, `Future`, `wait_all`,
 //! `Watcher`, `configure`, and the interpreter-exit and fork hooks.
 
+use crate::attach::{drop_thread_state, keep_thread_state, park_on_thread_exit};
 use crate::error::{Error, TaskError};
 use crate::future::{self, CompletionQueue, Outcome, Status};
-use crate::pool::{Abandon, Job, Pool};
+use crate::pool::{Abandon, Job, Pool, ThreadHooks};
 use crate::wait::{deadline_after, wait_detached};
 use pyo3::exceptions::PyTimeoutError;
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTraceback, PyTuple};
+use std::cell::Cell;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 type CoreFuture = future::Future<Py<PyAny>, TaskError>;
 
@@ -20,7 +24,11 @@ static POOL: OnceLock<Pool> = OnceLock::new();
 pub fn pool() -> &'static Pool {
     POOL.get_or_init(|| {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Pool::new("async-array", (cpus + 4).min(32))
+        let hooks = ThreadHooks {
+            start: Some(keep_thread_state),
+            stop: Some(drop_thread_state),
+        };
+        Pool::with_hooks("async-array", (cpus + 4).min(32), hooks)
     })
 }
 
@@ -152,10 +160,14 @@ impl PyFuture {
     fn add_done_callback(slf: &Bound<'_, Self>, func: Py<PyAny>) {
         let me = slf.clone().unbind();
         slf.get().inner.add_done_callback(move |_| {
+            // Skipped once the interpreter is finalizing: no Python runs then.
             Python::try_attach(|py| {
-                if let Err(err) = func.bind(py).call1((me.bind(py),)) {
-                    log_callback_error(py, &func, err);
-                }
+                park_on_thread_exit(|| {
+                    if let Err(err) = func.bind(py).call1((me.bind(py),)) {
+                        log_callback_error(py, &func, err);
+                    }
+                    drop((func, me));
+                })
             });
         });
     }
@@ -215,35 +227,69 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "(no message)".into())
 }
 
-impl Job for PyTask {
-    fn run(self: Box<Self>) {
-        let PyTask { func, args, future } = *self;
+/// How long a worker that holds the GIL keeps running queued Python tasks
+/// before it lets the GIL go: fewer hand-offs of the GIL between threads (each
+/// costs a wake-up) for many short tasks, and no thread holds it for long.
+const BATCH: Duration = Duration::from_millis(2);
+
+thread_local! {
+    static IN_BATCH: Cell<bool> = const { Cell::new(false) };
+}
+
+impl PyTask {
+    /// Runs the call, attached, and finishes the future with what it gave.
+    fn call(self, py: Python<'_>) {
+        let PyTask { func, args, future } = self;
         if !future.set_running() {
             return;
         }
         let f = future.clone();
         let ran = std::panic::catch_unwind(AssertUnwindSafe(move || {
-            Python::try_attach(|py| {
-                let outcome = match func.bind(py).call1(args.bind(py)) {
-                    Ok(v) => Outcome::Value(v.unbind()),
-                    Err(e) => Outcome::Error(TaskError::from_pyerr(py, e)),
-                };
-                // Let go of the callable (and what its closure holds) before waking waiters.
-                drop((func, args));
-                f.complete(outcome);
-            })
+            // The raw call keeps Rust destructors out of the path between
+            // CPython and the guard (see `attach`).
+            let returned = park_on_thread_exit(|| unsafe {
+                ffi::PyObject_Call(func.as_ptr(), args.as_ptr(), std::ptr::null_mut())
+            });
+            // SAFETY: attached; `returned` is a new reference or NULL with an error set.
+            let outcome = match unsafe { Bound::from_owned_ptr_or_err(py, returned) } {
+                Ok(v) => Outcome::Value(v.unbind()),
+                Err(e) => Outcome::Error(TaskError::from_pyerr(py, e)),
+            };
+            // Let go of the callable (and what its closure holds) before
+            // waking waiters; a destructor may run Python.
+            park_on_thread_exit(|| drop((func, args)));
+            f.complete(outcome);
         }));
-        match ran {
-            Ok(Some(())) => {}
+        if let Err(payload) = ran {
+            future.complete(Outcome::Error(TaskError::Core(Error::Panic(
+                panic_message(&*payload),
+            ))));
+        }
+    }
+}
+
+impl Job for PyTask {
+    fn run(self: Box<Self>) {
+        if IN_BATCH.with(|b| b.get()) {
+            // Taken by the batch below on this thread: already attached.
+            return Python::attach(|py| self.call(py));
+        }
+        let future = self.future.clone();
+        let attached = Python::try_attach(|py| {
+            self.call(py);
+            IN_BATCH.with(|b| b.set(true));
+            let until = Instant::now() + BATCH;
+            while Instant::now() < until {
+                match pool().try_pop() {
+                    Some(job) => job.run(),
+                    None => break,
+                }
+            }
+            IN_BATCH.with(|b| b.set(false));
+        });
+        if attached.is_none() {
             // The interpreter is finalizing: no Python can run any more.
-            Ok(None) => {
-                future.complete(Outcome::Error(TaskError::Core(Error::ShutDown)));
-            }
-            Err(payload) => {
-                future.complete(Outcome::Error(TaskError::Core(Error::Panic(
-                    panic_message(&*payload),
-                ))));
-            }
+            future.complete(Outcome::Error(TaskError::Core(Error::ShutDown)));
         }
     }
 
@@ -269,6 +315,29 @@ pub fn submit(func: Py<PyAny>, args: Py<PyTuple>) -> PyResult<PyFuture> {
         }))
         .map_err(|_| Error::ShutDown)?;
     Ok(PyFuture { inner: future })
+}
+
+/// Runs `func(*args)` for each tuple of `args_list` on the pool, queued under
+/// one lock; returns their futures, in order, at once.
+#[pyfunction]
+pub fn submit_many(
+    py: Python<'_>,
+    func: Py<PyAny>,
+    args_list: Vec<Py<PyTuple>>,
+) -> PyResult<Vec<PyFuture>> {
+    let mut futures = Vec::with_capacity(args_list.len());
+    let mut jobs: Vec<Box<dyn Job>> = Vec::with_capacity(args_list.len());
+    for args in args_list {
+        let future = CoreFuture::new();
+        jobs.push(Box::new(PyTask {
+            func: func.clone_ref(py),
+            args,
+            future: future.clone(),
+        }));
+        futures.push(PyFuture { inner: future });
+    }
+    pool().submit_all(jobs).map_err(|_| Error::ShutDown)?;
+    Ok(futures)
 }
 
 /// A task that panics in Rust, to test that a panic reaches Python as an

@@ -5,6 +5,10 @@ from __future__ import annotations
 import atexit
 import operator
 import os
+import threading
+import time
+
+import jax  # noqa: F401  (imported first: its exit hook must run after ours)
 
 from . import _core
 
@@ -58,9 +62,60 @@ def max_workers() -> int:
     return _core.pool_stats()["max_workers"]
 
 
+class JaxWork:
+    """Counts pool work that is inside JAX (a hand-off, a compile, a run).
+
+    At interpreter exit, JAX's own exit hook tears down its backends; a thread
+    still inside XLA then crashes the process. So exit waits for this count to
+    reach zero (at most :data:`EXIT_GRACE` seconds), and refuses new JAX work.
+    The tasks' own functions are not waited for.
+
+    Use as ``with jax_work: ...`` around the JAX part of a pool task.
+    """
+
+    __slots__ = ("_count", "_exiting", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._exiting = False
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._exiting:
+                raise RuntimeError(
+                    "async_array: the interpreter is exiting; no new work is handed to JAX"
+                )
+            self._count += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._count -= 1
+
+    def drain(self, timeout: float) -> bool:
+        """Refuses new work, then waits up to ``timeout`` seconds for the rest."""
+        with self._lock:
+            self._exiting = True
+        deadline = time.monotonic() + timeout
+        while self._count and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return not self._count
+
+
+#: Seconds interpreter exit waits for work inside JAX (not for the tasks' functions).
+EXIT_GRACE = 30.0
+
+jax_work = JaxWork()
+
+
+def _at_exit() -> None:
+    _core.shutdown()  # queued tasks are cancelled; running ones are not waited for
+    jax_work.drain(EXIT_GRACE)
+
+
 configure()
-# At exit, queued tasks are cancelled and running ones are not waited for.
-atexit.register(_core.shutdown)
+# Registered after `import jax`, so it runs before JAX's own exit hook (LIFO).
+atexit.register(_at_exit)
 os.register_at_fork(
     before=_core._before_fork,
     after_in_parent=_core._after_fork_parent,
