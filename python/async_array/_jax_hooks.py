@@ -47,11 +47,10 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 try:
+    from jax._src import array as _array
     from jax._src import core as _core
     from jax._src import dtypes as _dtypes
     from jax._src.interpreters import pxla as _pxla
-
-    from jax._src import array as _array
     from jax._src.lib import _jax as _jaxlib
     from jax._src.lib import xla_client as _xc
 

@@ -64,7 +64,10 @@ def async_map(fn: Callable[[Any, Any], Any], like: Any, *, sharding: Any = None)
         raise TypeError(f"async_map: fn must be callable, got {type(fn).__name__}")
     specs, paths, specs_in = _specs_and_paths(f"async_map({qualname(fn)})", like, sharding)
     # One lock and one wake-up round for the whole tree, not one per leaf.
-    args = [(fn, path, spec, specs, i) for i, (path, spec) in enumerate(zip(paths, specs_in))]
+    args = [
+        (fn, path, spec, specs, i)
+        for i, (path, spec) in enumerate(zip(paths, specs_in, strict=True))
+    ]
     futures = _core.submit_many(_run_leaf, args)
     name, avals, shardings, committed = specs.name, specs.avals, specs.shardings, specs.committed
     leaves = [
