@@ -602,6 +602,10 @@ def test_exit_while_compiling_or_running_is_clean(linger_s):
         x = aa.async_wrap(lambda: np.ones(4, np.float32), shape=(4,), dtype=np.float32)
         ys = [aa.jit(stage)(x), aa.jit(lambda v: v + 1)(x)]
         pending = aa.jit(lambda v: v * 2)(aa.async_wrap(lambda: time.sleep(60), like=x))
+        add = aa.jit(lambda a, b: a + b)
+        ones = jnp.ones(4)
+        for _ in range(2000):
+            add(ones, ones)  # outputs dropped at once: runs free their arrays on the pool
         time.sleep({linger_s})
         print("exiting", flush=True)
         sys.exit(3)

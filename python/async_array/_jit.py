@@ -25,10 +25,9 @@ import jax
 import numpy as np
 
 from . import _core
-from ._array import AsyncArray, Source, _shallow_copy
+from ._array import AsyncArray, Source, _ArrayImpl, _shallow_copy
 from ._wrap import qualname
 
-_ArrayImpl = type(jax.numpy.zeros(()))
 _Sharding = jax.sharding.Sharding
 _keystr = jax.tree_util.keystr
 
@@ -233,6 +232,10 @@ class _Entry:
             raise
         self.compiled.add_done_callback(self._compiled)
 
+    def compiled_done(self) -> bool:
+        """True once compilation is done and every waiter was called."""
+        return self._waiters is None
+
     def on_compiled(self, fn: Callable[[], None]) -> None:
         """Calls ``fn()`` once compilation is done (here, if it is)."""
         with self._lock:
@@ -251,20 +254,21 @@ class _Entry:
                 self.owner._forget(self)
             with self._lock:
                 waiters, self._waiters = self._waiters or [], None
-            for fn in waiters:
+            waiters.reverse()
+            while waiters:
                 try:
-                    fn()
+                    waiters.pop()()
                 except Exception:  # pragma: no cover - a bug here; keep the others going
                     _LOG.exception("async_array: %s: exception in a dispatch callback", self.name)
         finally:
-            _leave()
+            _leave()  # nothing of the waiters (their inputs) is left to free after this
 
 
 class _Call:
     """One dispatch: the inputs to run the compiled program on, and the future
     every output leaf reads."""
 
-    __slots__ = ("__weakref__", "entry", "leaves", "out")
+    __slots__ = ("entry", "leaves", "out")
 
     def __init__(self, entry: _Entry, leaves: list[Any], out: _core.Future):
         self.entry = entry
@@ -302,6 +306,7 @@ def _when_all_done(
 
 
 def _launch(call: _Call) -> None:
+    """Submits the run of ``call`` (inputs and compilation are done)."""
     with _activity:
         _waiting.discard(call)
     out = call.out
@@ -316,12 +321,15 @@ def _launch(call: _Call) -> None:
         call.leaves = None
         out.set_exception(exc)
         return
-    task.add_done_callback(functools.partial(_task_ended, out))
+    task.add_done_callback(functools.partial(_task_ended, [out]))
 
 
-def _task_ended(out: _core.Future, task: _core.Future) -> None:
-    # _execute completes `out` itself; this covers a task cancelled at
-    # interpreter exit, so that no output waits forever.
+def _task_ended(holder: list[_core.Future], task: _core.Future) -> None:
+    # _execute completes the output future itself; this covers a task
+    # cancelled at interpreter exit, so that no output waits forever. The
+    # output (and the arrays it holds) comes in a list emptied here, so that
+    # it is never freed after _leave(), when the interpreter may be exiting.
+    out = holder.pop()
     try:
         if out.done():
             return
@@ -331,6 +339,7 @@ def _task_ended(out: _core.Future, task: _core.Future) -> None:
         exc = task.exception(0)
         out.set_exception(exc if exc is not None else RuntimeError("aa.jit: task ended early"))
     finally:
+        del out
         _leave()
 
 
@@ -501,8 +510,9 @@ class JitFunction:
         """A numpy or scalar input leaf as it will be passed, and its spec."""
         try:
             if isinstance(leaf, (np.ndarray, np.generic)):
-                # Read now, as jax.jit would: later writes must not change the result.
-                leaf = jax.device_put(leaf)
+                # Copied now, as jax.jit would read it now: later writes must not
+                # change the result (on CPU, device_put may otherwise alias it).
+                leaf = jax.device_put(leaf, may_alias=False)
                 return leaf, (leaf.shape, leaf.dtype, leaf.weak_type, None)
             aval = jax.typeof(leaf)  # a Python scalar is weakly typed, as in jax.jit
         except OverflowError as exc:
@@ -623,7 +633,9 @@ class JitFunction:
                 zip(entry.out_avals, entry.out_shardings, strict=True)
             )
         ]
-        subscribes: list[Callable[[Callable[..., None]], None]] = [entry.on_compiled]
+        subscribes: list[Callable[[Callable[..., None]], None]] = []
+        if not entry.compiled_done():
+            subscribes.append(entry.on_compiled)
         seen: set[int] = set()
         for leaf in leaves:
             if type(leaf) is AsyncArray:
@@ -632,9 +644,12 @@ class JitFunction:
                     seen.add(id(src.future))
                     subscribes.append(src.future.add_done_callback)
         call = _Call(entry, leaves, out)
-        with _activity:
-            _waiting.add(call)
-        _when_all_done(subscribes, functools.partial(_launch, call))
+        if subscribes:
+            with _activity:
+                _waiting.add(call)
+            _when_all_done(subscribes, functools.partial(_launch, call))
+        else:
+            _launch(call)
         return entry.out_tree.unflatten(outputs)
 
 
