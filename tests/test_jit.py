@@ -229,6 +229,27 @@ def test_concurrent_calls_share_one_pending_compile():
     assert len(traces) == 1
 
 
+def test_threads_calling_at_once_get_their_own_values():
+    traces = []
+
+    @aa.jit
+    def f(a, b):
+        traces.append(a.shape)
+        return a * b
+
+    def worker(seed):
+        for i in range(20):
+            n = 1 + (seed + i) % 3  # three shapes shared by every thread
+            a = loaded(np.full(n, seed, np.float32))
+            out = f(a, float(i))
+            np.testing.assert_array_equal(out, np.full(n, seed * i, np.float32))
+        return seed
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert sorted(pool.map(worker, range(8))) == list(range(8))
+    assert {shape for shape in traces} == {(1,), (2,), (3,)}
+
+
 # -- static arguments ------------------------------------------------------------
 
 
@@ -256,6 +277,11 @@ def test_static_argnums_and_argnames():
 
     with pytest.raises(TypeError, match=r"aa\.jit\(.*power\).*hashable.*\bn\b"):
         power(x, [2])
+
+
+def test_negative_static_argnums():
+    f = aa.jit(lambda x, n: x * n, static_argnums=-1)
+    np.testing.assert_array_equal(f(loaded(np.ones(2, np.float32)), 4), [4, 4])
 
 
 def test_static_argument_type_is_part_of_the_key():
@@ -389,12 +415,14 @@ def test_mixed_inputs():
 
 
 def test_numpy_inputs_are_read_at_the_call():
-    gate = Gate(np.zeros(3, np.float32))
-    host = np.ones(3, np.float32)
-    out = aa.jit(lambda a, b: a + b)(gate.leaf(), host)
-    host[:] = 100
-    gate.opened.set()
-    np.testing.assert_array_equal(out, [1, 1, 1])
+    f = aa.jit(lambda a, b: a + b)
+    for n in (3, 16, 64, 1000):  # sizes that JAX may alias or copy
+        gate = Gate(np.zeros(n, np.float32))
+        host = np.ones(n, np.float32)
+        out = f(gate.leaf(), host)
+        host[:] = 100
+        gate.opened.set()
+        np.testing.assert_array_equal(out, np.ones(n))
 
 
 @pytest.mark.parametrize(

@@ -101,9 +101,9 @@ def _static_argnums_argnames(
     if sig is not None and (nums is None) != (names is None):
         params = list(sig.parameters.items())
         pok = inspect.Parameter.POSITIONAL_OR_KEYWORD
-        if nums is None:
+        if names is not None:
             nums = tuple(i for i, (k, p) in enumerate(params) if p.kind == pok and k in names)
-        else:
+        elif nums is not None:
             names = tuple(k for i, (k, p) in enumerate(params) if p.kind == pok and i in nums)
     return nums or (), frozenset(names or ())
 
@@ -122,17 +122,19 @@ def _in_shardings_devices(in_shardings: Any) -> frozenset[Any] | None:
     return frozenset(d for s in leaves for d in s.device_set)
 
 
+_CONFIG_NAMES = (
+    "jax_enable_x64",
+    "jax_default_device",
+    "jax_default_matmul_precision",
+    "jax_numpy_rank_promotion",
+    "jax_numpy_dtype_promotion",
+)
+
+
 def _config_key() -> tuple[Any, ...]:
     # The settings that change what a trace produces; jax.jit keys on them too.
-    c = jax.config
-    return (
-        c.jax_enable_x64,
-        c.jax_default_device,
-        c.jax_default_matmul_precision,
-        c.jax_numpy_rank_promotion,
-        c.jax_numpy_dtype_promotion,
-        jax.sharding.get_abstract_mesh(),
-    )
+    config = jax.config
+    return (*(getattr(config, name) for name in _CONFIG_NAMES), jax.sharding.get_abstract_mesh())
 
 
 def _describe(spec: tuple[Any, ...]) -> str:
@@ -510,9 +512,10 @@ class JitFunction:
         """A numpy or scalar input leaf as it will be passed, and its spec."""
         try:
             if isinstance(leaf, (np.ndarray, np.generic)):
-                # Copied now, as jax.jit would read it now: later writes must not
-                # change the result (on CPU, device_put may otherwise alias it).
-                leaf = jax.device_put(leaf, may_alias=False)
+                # jax.jit reads it at the call, so later writes must not change the
+                # result: hand JAX a private copy (device_put alone may alias the
+                # caller's memory or read it later, even with may_alias=False).
+                leaf = jax.device_put(np.array(leaf, copy=True))
                 return leaf, (leaf.shape, leaf.dtype, leaf.weak_type, None)
             aval = jax.typeof(leaf)  # a Python scalar is weakly typed, as in jax.jit
         except OverflowError as exc:
@@ -598,7 +601,7 @@ class JitFunction:
         }
         devices = {d for s in committed for d in s.device_set}
         unknown = self._in_devices is None
-        if not unknown:
+        if self._in_devices is not None:
             devices |= self._in_devices
         out: list[Any] = []
         for s in declared:
