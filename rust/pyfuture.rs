@@ -97,6 +97,15 @@ impl PyFuture {
         }))
     }
 
+    /// The return value if the task finished and returned, else None; never
+    /// blocks or raises (the per-leaf fast path of a finished tree).
+    fn peek(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        match self.inner.outcome() {
+            Some(Outcome::Value(v)) => Some(v.clone_ref(py)),
+            _ => None,
+        }
+    }
+
     /// True once finished, failed or cancelled. Never blocks.
     fn done(&self) -> bool {
         self.inner.is_finished()

@@ -118,10 +118,21 @@ def canonical_dtype(dtype: np.dtype, fun_name: str) -> np.dtype:
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
+# Devices of shardings that give every device the whole array, by id; the
+# sharding is kept too, so its id is never reused while cached.
+_whole: dict[int, tuple[Any, list[Any]]] = {}
+
+
 def _placement(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Any], list[Any] | None]:
     """(devices, index per device), or (devices, None) when every device gets it whole."""
+    found = _whole.get(id(sharding))
+    if found is not None:
+        return found[1], None
     if len(sharding.device_set) == 1 or sharding.is_fully_replicated:
-        return list(sharding._addressable_device_assignment), None
+        devices = list(sharding._addressable_device_assignment)
+        if len(_whole) < 4096:
+            _whole[id(sharding)] = (sharding, devices)
+        return devices, None
     index_map = sharding.addressable_devices_indices_map(shape)
     return list(index_map), list(index_map.values())
 

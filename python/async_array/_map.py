@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 from . import _core
-from ._array import AsyncArray, Source
+from ._array import AsyncArray, Source, paused_gc
 from ._pool import jax_work
 from ._wrap import LeafSpecs, convert_one, declare, qualname
 
@@ -62,6 +62,11 @@ def async_map(fn: Callable[[Any, Any], Any], like: Any, *, sharding: Any = None)
     """
     if not callable(fn):
         raise TypeError(f"async_map: fn must be callable, got {type(fn).__name__}")
+    with paused_gc():
+        return _async_map(fn, like, sharding)
+
+
+def _async_map(fn: Callable[[Any, Any], Any], like: Any, sharding: Any) -> Any:
     specs, paths, specs_in = _specs_and_paths(f"async_map({qualname(fn)})", like, sharding)
     # One lock and one wake-up round for the whole tree, not one per leaf.
     args = [
@@ -144,6 +149,13 @@ def async_stream(
     """
     if not callable(gen_fn):
         raise TypeError(f"async_stream: gen_fn must be callable, got {type(gen_fn).__name__}")
+    with paused_gc():
+        return _async_stream(gen_fn, like, sharding)
+
+
+def _async_stream(
+    gen_fn: Callable[[], Iterable[tuple[Any, Any]]], like: Any, sharding: Any
+) -> Any:
     specs, paths, _ = _specs_and_paths(f"async_stream({qualname(gen_fn)})", like, sharding)
     futures = [_core.Future() for _ in paths]
     leaves = [

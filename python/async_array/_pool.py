@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import operator
 import os
-import threading
 import time
 
 import jax  # noqa: F401  (imported first: its exit hook must run after ours)
@@ -73,33 +72,30 @@ class JaxWork:
     Use as ``with jax_work: ...`` around the JAX part of a pool task.
     """
 
-    __slots__ = ("_count", "_exiting", "_lock")
+    __slots__ = ("_active", "_exiting")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count = 0
+        # list.append and list.pop are atomic under the GIL: a lock-free count.
+        self._active: list[None] = []
         self._exiting = False
 
     def __enter__(self) -> None:
-        with self._lock:
-            if self._exiting:
-                raise RuntimeError(
-                    "async_array: the interpreter is exiting; no new work is handed to JAX"
-                )
-            self._count += 1
+        # Count first, then look: drain() sets the flag first, then looks.
+        self._active.append(None)
+        if self._exiting:
+            self._active.pop()
+            raise RuntimeError("async_array: the interpreter is exiting; no new work goes to JAX")
 
     def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._count -= 1
+        self._active.pop()
 
     def drain(self, timeout: float) -> bool:
         """Refuses new work, then waits up to ``timeout`` seconds for the rest."""
-        with self._lock:
-            self._exiting = True
+        self._exiting = True
         deadline = time.monotonic() + timeout
-        while self._count and time.monotonic() < deadline:
+        while self._active and time.monotonic() < deadline:
             time.sleep(0.002)
-        return not self._count
+        return not self._active
 
 
 #: Seconds interpreter exit waits for work inside JAX (not for the tasks' functions).

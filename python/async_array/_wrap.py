@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from . import _core, _jax_hooks
-from ._array import AsyncArray, Source, default_sharding
+from ._array import AsyncArray, Source, default_sharding, paused_gc
 from ._buffer import aligned_array
 from ._core import HostBuffer
 from ._pool import jax_work
@@ -399,7 +399,7 @@ def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
         # half-filled buffers, say).
         traceback.clear_frames(exc.__traceback__)
         raise
-    with jax_work:
+    with jax_work, paused_gc():
         return convert_results(specs, holder)
 
 
@@ -469,5 +469,6 @@ def async_wrap(
     """
     if not callable(f):
         raise TypeError(f"async_wrap: f must be callable, got {type(f).__name__}")
-    specs = declare(f"async_wrap({qualname(f)})", shape, dtype, like, sharding)
-    return leaves_for(specs, _core.submit(_run, f, specs))
+    with paused_gc():
+        specs = declare(f"async_wrap({qualname(f)})", shape, dtype, like, sharding)
+        return leaves_for(specs, _core.submit(_run, f, specs))
