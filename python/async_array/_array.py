@@ -213,7 +213,7 @@ class AsyncArray(jax.Array):
     # -- known at once -------------------------------------------------------
     @property
     def aval(self) -> Any:
-        """The abstract value (``ShapedArray``), never weakly typed."""
+        """The abstract value (``ShapedArray``): shape, dtype, weak type."""
         return self._aval
 
     @property
@@ -243,7 +243,9 @@ class AsyncArray(jax.Array):
 
     @property
     def weak_type(self) -> bool:
-        return False
+        """False for ``async_wrap`` leaves; an ``aa.jit`` output is weakly
+        typed exactly where ``jax.jit``'s would be."""
+        return getattr(self._aval, "weak_type", False)
 
     @property
     def sharding(self) -> jax.sharding.Sharding:

@@ -145,7 +145,9 @@ def put_host(host: np.ndarray, aval: Any, sharding: Any, committed: bool, alias:
     will write. Otherwise JAX copies it during the call, once.
     """
     if ERROR is not None:
-        return jax.device_put(host, sharding)
+        # Public route: jax.device_put may alias host memory, so copy unless ours.
+        host = host if alias else np.array(host, copy=True)
+        return jax.device_put(host, sharding if committed else None)
     devices, indices = _placement(sharding, aval.shape)
     if indices is None:
         shards = [host] * len(devices)
@@ -164,7 +166,8 @@ def put_dlpack(buf: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array
     per-call Python overhead (several times the cost of the hand-off itself).
     """
     if ERROR is not None:
-        return jax.device_put(jax.dlpack.from_dlpack(buf, copy=False), sharding)
+        array = jax.dlpack.from_dlpack(buf, copy=False)
+        return jax.device_put(array, sharding) if committed else array
     (device,) = sharding.device_set
     capsule = buf.__dlpack__(stream=None)
     array = _dlpack_to_buffer(capsule, device, None, False, _KDL_CPU)
@@ -175,5 +178,5 @@ def put_array(array: jax.Array, aval: Any, sharding: Any, committed: bool) -> ja
     """Re-labels a single-device ``jax.Array`` already on ``sharding``'s
     device with the leaf's aval and commitment (no copy)."""
     if ERROR is not None:
-        return jax.device_put(array, sharding)
+        return jax.device_put(array, sharding) if committed else array
     return _batched_device_put(aval, sharding, [array], list(sharding.device_set), committed)
