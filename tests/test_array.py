@@ -113,28 +113,25 @@ def test_block_until_ready_returns_self_and_works_on_trees():
     assert out["a"].done() and out["b"] == 1
 
 
-def test_cancel_a_task_that_has_not_started():
-    aa.configure(max_workers=1)
-    try:
-        blocker = Gate(np.zeros(1, F32))
-        first = aa.async_wrap(blocker, shape=(1,), dtype=F32)
-        assert blocker.started.wait(5)
-        ran = []
-        like = {"a": jax.ShapeDtypeStruct((2,), F32), "b": jax.ShapeDtypeStruct((), F32)}
-        queued = aa.async_wrap(lambda: ran.append(1), like=like)
-        assert queued["a"].cancel()
-        assert queued["b"].cancelled() and queued["b"].done()
-        for leaf in (queued["a"], queued["b"]):
-            with pytest.raises(concurrent.futures.CancelledError, match=r"leaf \['[ab]'\]"):
-                leaf.result()
-        assert "cancel" not in repr(first)
-        assert not first.cancel()  # running: too late
-        blocker.release.set()
-        np.testing.assert_array_equal(first.result(), [0])
-        time.sleep(0.1)
-        assert ran == []
-    finally:
-        aa.configure()
+def test_cancel_a_task_that_has_not_started(pool_size):
+    pool_size(1)
+    blocker = Gate(np.zeros(1, F32))
+    first = aa.async_wrap(blocker, shape=(1,), dtype=F32)
+    assert blocker.started.wait(5)
+    ran = []
+    like = {"a": jax.ShapeDtypeStruct((2,), F32), "b": jax.ShapeDtypeStruct((), F32)}
+    queued = aa.async_wrap(lambda: ran.append(1), like=like)
+    assert queued["a"].cancel()
+    assert queued["b"].cancelled() and queued["b"].done()
+    for leaf in (queued["a"], queued["b"]):
+        with pytest.raises(concurrent.futures.CancelledError, match=r"leaf \['[ab]'\]"):
+            leaf.result()
+    assert "cancel" not in repr(first)
+    assert not first.cancel()  # running: too late
+    blocker.release.set()
+    np.testing.assert_array_equal(first.result(), [0])
+    time.sleep(0.1)
+    assert ran == []
 
 
 def test_done_callbacks_get_the_leaf(caplog):

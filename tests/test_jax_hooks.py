@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import async_array as aa
-from async_array import _jax_hooks
+from async_array import _core, _jax_hooks
 
 F32 = np.float32
 
@@ -49,13 +49,31 @@ def test_jit_compiles_before_the_value_exists():
     np.testing.assert_array_equal(jax.jit(square)(x), [0, 1, 4, 9])
 
 
-def test_jit_over_a_tree_of_many_leaves_waits_once():
+def test_jit_over_a_tree_of_many_leaves_waits_once(monkeypatch, pool_size):
     # XLA's compile time grows fast with the argument count (a 3000-argument
-    # function takes over a minute here, with plain jax.Arrays too): 600 leaves.
+    # function takes over a minute here, with plain jax.Arrays too): 600 leaves,
+    # from 600 separate tasks, all pending when jit dispatches.
+    waits = []
+    real_wait_all = _core.wait_all
+
+    def counting_wait_all(futures, timeout=None):
+        waits.append(len(futures))
+        gate.set()  # the loaders finish only once dispatch is waiting for them
+        return real_wait_all(futures, timeout)
+
+    monkeypatch.setattr(_core, "wait_all", counting_wait_all)
+    gate = threading.Event()
+    pool_size(8)  # more loaders blocked at the gate than workers is fine too
     like = {f"w{i}": jax.ShapeDtypeStruct((2,), F32) for i in range(600)}
-    tree = aa.async_wrap(lambda: {k: np.full(2, i, F32) for i, k in enumerate(like)}, like=like)
+
+    def load(path, spec):
+        assert gate.wait(30)
+        return np.full(2, int(path[0].key[1:]), F32)
+
+    tree = aa.async_map(load, like)
     total = jax.jit(lambda t: jnp.stack(jax.tree_util.tree_leaves(t)).sum())(tree)
     assert float(total) == 2 * sum(range(600))
+    assert waits == [600]  # one GIL-free wait for all 600 tasks
 
 
 def test_vmap_grad_eval_shape_device_put_and_jnp():

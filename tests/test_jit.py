@@ -13,12 +13,13 @@ import threading
 import time
 from typing import NamedTuple
 
-import async_array as aa
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+import async_array as aa
 
 
 def loaded(value, delay=0.0, dtype=None):

@@ -153,9 +153,7 @@ def async_stream(
         return _async_stream(gen_fn, like, sharding)
 
 
-def _async_stream(
-    gen_fn: Callable[[], Iterable[tuple[Any, Any]]], like: Any, sharding: Any
-) -> Any:
+def _async_stream(gen_fn: Callable[[], Iterable[tuple[Any, Any]]], like: Any, sharding: Any) -> Any:
     specs, paths, _ = _specs_and_paths(f"async_stream({qualname(gen_fn)})", like, sharding)
     futures = [_core.Future() for _ in paths]
     leaves = [
