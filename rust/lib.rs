@@ -1,6 +1,7 @@
 //! async_array's Rust core: the worker pool, futures, waits, aligned host
 //! buffers and DLPack export. This file only wires the Python module.
 
+pub mod attach;
 pub mod buffer;
 pub mod dlpack;
 pub mod error;
@@ -20,6 +21,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pyfuture::Watcher>()?;
     m.add_class::<hostbuffer::HostBuffer>()?;
     m.add_function(wrap_pyfunction!(pyfuture::submit, m)?)?;
+    m.add_function(wrap_pyfunction!(pyfuture::submit_many, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::wait_all, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::configure, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::pool_stats, m)?)?;

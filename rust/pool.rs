@@ -64,6 +64,15 @@ struct Inner {
     state: Mutex<State>,
     work: Condvar,
     name: String,
+    hooks: ThreadHooks,
+}
+
+/// Called on each worker thread when it starts and when it retires (not when
+/// the process exits or forks).
+#[derive(Clone, Copy, Default)]
+pub struct ThreadHooks {
+    pub start: Option<fn()>,
+    pub stop: Option<fn()>,
 }
 
 /// Counters for tests and benchmarks.
@@ -100,6 +109,10 @@ pub fn on_worker_thread() -> bool {
 
 impl Pool {
     pub fn new(name: &str, max_workers: usize) -> Self {
+        Self::with_hooks(name, max_workers, ThreadHooks::default())
+    }
+
+    pub fn with_hooks(name: &str, max_workers: usize, hooks: ThreadHooks) -> Self {
         Pool {
             inner: Arc::new(Inner {
                 state: Mutex::new(State {
@@ -116,6 +129,7 @@ impl Pool {
                 }),
                 work: Condvar::new(),
                 name: name.to_owned(),
+                hooks,
             }),
         }
     }
@@ -133,15 +147,40 @@ impl Pool {
 
     /// Queues `job`; it runs on a worker in FIFO order.
     pub fn submit(&self, job: Box<dyn Job>) -> Result<(), SubmitError> {
+        self.submit_all(vec![job])
+    }
+
+    /// Queues every job under one lock, waking as many workers as there is work.
+    pub fn submit_all(&self, jobs: Vec<Box<dyn Job>>) -> Result<(), SubmitError> {
         let mut st = lock(&self.inner.state);
         if st.shutdown {
             drop(st);
-            job.cancel();
+            jobs.into_iter().for_each(|job| job.cancel());
             return Err(SubmitError::ShutDown);
         }
-        st.queue.push_back(job);
-        self.wake_or_spawn(&mut st);
+        let n = jobs.len();
+        st.queue.extend(jobs);
+        for _ in 0..n {
+            if st.sleeping == 0 && st.busy_capacity_used() >= st.max_workers {
+                break;
+            }
+            self.wake_or_spawn(&mut st);
+        }
         Ok(())
+    }
+
+    /// On a worker of this pool, the next queued job to run right away (the
+    /// caller runs it before returning to the pool); None off the pool's
+    /// threads, when the queue is empty, or when this worker should retire.
+    pub fn try_pop(&self) -> Option<Box<dyn Job>> {
+        let slot = self.my_slot()?;
+        let mut st = lock(&self.inner.state);
+        if st.shutdown || st.busy_capacity_used() > st.max_workers {
+            return None;
+        }
+        let job = st.queue.pop_front()?;
+        st.running[slot] = job.abandon_handle();
+        Some(job)
     }
 
     /// Gets one more worker onto the queue: wakes a sleeping one, or starts one
@@ -184,6 +223,9 @@ impl Pool {
 
     fn worker(&self, slot: usize) {
         WORKER.with(|w| w.set(Some((self.id(), slot))));
+        if let Some(start) = self.inner.hooks.start {
+            start();
+        }
         let mut st = lock(&self.inner.state);
         loop {
             // Retire first: a worker back from `blocking` may leave the pool over size.
@@ -193,6 +235,10 @@ impl Pool {
                 if !st.shutdown {
                     // This thread may have been woken for queued work: pass it on.
                     self.wake_for_unclaimed_work(&mut st);
+                }
+                drop(st);
+                if let Some(stop) = self.inner.hooks.stop {
+                    stop();
                 }
                 return;
             }
@@ -575,6 +621,74 @@ mod tests {
             future: F::new(),
         }));
         assert_eq!(refused, Err(SubmitError::ShutDown));
+    }
+
+    #[test]
+    fn a_worker_can_take_the_next_job_itself() {
+        let pool = Pool::new("t", 1);
+        assert!(pool.try_pop().is_none(), "only workers take jobs");
+        let p = pool.clone();
+        let taken = submit(&pool, move || {
+            while p.stats().queued == 0 {
+                std::thread::yield_now();
+            }
+            // Runs the job queued behind this one, on this same thread.
+            let next = p.try_pop().expect("queued job");
+            next.run();
+            7
+        });
+        let queued = submit(&pool, || 8);
+        assert_eq!(value(&taken), 7);
+        assert_eq!(value(&queued), 8);
+    }
+
+    #[test]
+    fn submit_all_runs_every_job() {
+        let pool = Pool::new("t", 3);
+        let fs: Vec<F> = (0..50).map(|_| F::new()).collect();
+        let jobs: Vec<Box<dyn Job>> = fs
+            .iter()
+            .enumerate()
+            .map(|(i, f)| {
+                Box::new(Task {
+                    f: move || i,
+                    future: f.clone(),
+                }) as Box<dyn Job>
+            })
+            .collect();
+        pool.submit_all(jobs).unwrap();
+        for (i, f) in fs.iter().enumerate() {
+            assert_eq!(value(f), i);
+        }
+        assert!(pool.stats().spawned_total <= 3);
+    }
+
+    #[test]
+    fn thread_hooks_run_on_start_and_retire() {
+        static STARTED: AtomicUsize = AtomicUsize::new(0);
+        static STOPPED: AtomicUsize = AtomicUsize::new(0);
+        let hooks = ThreadHooks {
+            start: Some(|| {
+                STARTED.fetch_add(1, Ordering::SeqCst);
+            }),
+            stop: Some(|| {
+                STOPPED.fetch_add(1, Ordering::SeqCst);
+            }),
+        };
+        let pool = Pool::with_hooks("t", 2, hooks);
+        let fs: Vec<F> = (0..4).map(|i| submit(&pool, move || i)).collect();
+        fs.iter().for_each(|f| assert!(value(f) < 4));
+        // A spawned thread may not have run its start hook yet: count threads
+        // from the pool, and let the hooks catch up.
+        let spawned = pool.stats().spawned_total;
+        assert!((1..=2).contains(&spawned));
+        pool.shutdown();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while STOPPED.load(Ordering::SeqCst) < spawned && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(STARTED.load(Ordering::SeqCst), spawned);
+        assert_eq!(STOPPED.load(Ordering::SeqCst), spawned);
     }
 
     #[test]

@@ -1,17 +1,19 @@
 //! Python bindings of the pool and futures: `submit`, `Future`, `wait_all`,
 //! `Watcher`, `configure`, and the interpreter-exit and fork hooks.
 
+use crate::attach::{call_or_park, drop_thread_state, keep_thread_state, park_on_thread_exit};
 use crate::error::{Error, TaskError};
 use crate::future::{self, CompletionQueue, Outcome, Status};
-use crate::pool::{Abandon, ForkGuard, Job, Pool};
+use crate::pool::{Abandon, ForkGuard, Job, Pool, ThreadHooks};
 use crate::wait::{deadline_after, wait_detached};
 use pyo3::exceptions::PyTimeoutError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTraceback, PyTuple};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 type CoreFuture = future::Future<Py<PyAny>, TaskError>;
 
@@ -22,7 +24,11 @@ pub fn pool() -> &'static Pool {
     POOL.get_or_init(|| {
         install_fork_handlers();
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Pool::new("async-array", (cpus + 4).min(32))
+        let hooks = ThreadHooks {
+            start: Some(keep_thread_state),
+            stop: Some(drop_thread_state),
+        };
+        Pool::with_hooks("async-array", (cpus + 4).min(32), hooks)
     })
 }
 
@@ -91,6 +97,15 @@ impl PyFuture {
         }))
     }
 
+    /// The return value if the task finished and returned, else None; never
+    /// blocks or raises (the per-leaf fast path of a finished tree).
+    fn peek(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        match self.inner.outcome() {
+            Some(Outcome::Value(v)) => Some(v.clone_ref(py)),
+            _ => None,
+        }
+    }
+
     /// True once finished, failed or cancelled. Never blocks.
     fn done(&self) -> bool {
         self.inner.is_finished()
@@ -154,12 +169,14 @@ impl PyFuture {
     fn add_done_callback(slf: &Bound<'_, Self>, func: Py<PyAny>) {
         let me = slf.clone().unbind();
         slf.get().inner.add_done_callback(move |_| {
+            // Skipped once the interpreter is finalizing: no Python runs then.
             Python::try_attach(|py| {
                 let called = PyTuple::new(py, [me.bind(py)])
                     .and_then(|args| call_or_park(func.bind(py), &args, None));
                 if let Err(err) = called {
                     log_callback_error(py, &func, err);
                 }
+                park_on_thread_exit(|| drop((func, me)));
             });
         });
     }
@@ -167,55 +184,6 @@ impl PyFuture {
     fn __repr__(&self) -> String {
         format!("<async_array._core.Future {}>", self.status())
     }
-}
-
-mod unwinding_ffi {
-    use pyo3::ffi::PyObject;
-
-    // pyo3-ffi declares it "C" (cannot unwind); see `call_or_park`.
-    extern "C-unwind" {
-        pub fn PyObject_Call(
-            callable: *mut PyObject,
-            args: *mut PyObject,
-            kwargs: *mut PyObject,
-        ) -> *mut PyObject;
-    }
-}
-
-/// Parks the thread for good when dropped by an unwind that is not a Rust panic.
-struct ParkOnForcedUnwind;
-
-impl Drop for ParkOnForcedUnwind {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            loop {
-                std::thread::park();
-            }
-        }
-    }
-}
-
-/// Calls `func(*args, **kwargs)` on a pool thread.
-///
-/// On Python < 3.14 a thread that takes the GIL back while the interpreter
-/// finalizes (a task still running at exit) is ended with `pthread_exit`, a
-/// forced unwind that aborts the process once it reaches Rust frames that
-/// cannot unwind. Declared `C-unwind`, the call lets that unwind stop here, in
-/// a guard that parks the thread for good instead: what Python 3.14 does
-/// itself, and what pyo3 does around `PyGILState_Ensure`.
-fn call_or_park<'py>(
-    func: &Bound<'py, PyAny>,
-    args: &Bound<'py, PyTuple>,
-    kwargs: Option<&Bound<'py, PyDict>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let kwargs = kwargs.map_or(std::ptr::null_mut(), |k| k.as_ptr());
-    let guard = ParkOnForcedUnwind;
-    // SAFETY: the thread is attached (the Bound arguments prove it) and every
-    // pointer is a live object borrowed for the call.
-    let ret = unsafe { unwinding_ffi::PyObject_Call(func.as_ptr(), args.as_ptr(), kwargs) };
-    std::mem::forget(guard);
-    // SAFETY: PyObject_Call returns a new reference, or NULL with an exception set.
-    unsafe { Bound::from_owned_ptr_or_err(func.py(), ret) }
 }
 
 static LOGGER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -273,35 +241,64 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "(no message)".into())
 }
 
-impl Job for PyTask {
-    fn run(self: Box<Self>) {
-        let PyTask { func, args, future } = *self;
+/// How long a worker that holds the GIL keeps running queued Python tasks
+/// before it lets the GIL go: fewer hand-offs of the GIL between threads (each
+/// costs a wake-up) for many short tasks, and no thread holds it for long.
+const BATCH: Duration = Duration::from_millis(2);
+
+thread_local! {
+    static IN_BATCH: Cell<bool> = const { Cell::new(false) };
+}
+
+impl PyTask {
+    /// Runs the call, attached, and finishes the future with what it gave.
+    fn call(self, py: Python<'_>) {
+        let PyTask { func, args, future } = self;
         if !future.set_running() {
             return;
         }
         let f = future.clone();
         let ran = std::panic::catch_unwind(AssertUnwindSafe(move || {
-            Python::try_attach(|py| {
-                let outcome = match call_or_park(func.bind(py), args.bind(py), None) {
-                    Ok(v) => Outcome::Value(v.unbind()),
-                    Err(e) => Outcome::Error(TaskError::from_pyerr(py, e)),
-                };
-                // Let go of the callable (and what its closure holds) before waking waiters.
-                drop((func, args));
-                f.complete(outcome);
-            })
+            let returned = call_or_park(func.bind(py), args.bind(py), None);
+            let outcome = match returned {
+                Ok(v) => Outcome::Value(v.unbind()),
+                Err(e) => Outcome::Error(TaskError::from_pyerr(py, e)),
+            };
+            // Let go of the callable (and what its closure holds) before
+            // waking waiters; a destructor may run Python.
+            park_on_thread_exit(|| drop((func, args)));
+            f.complete(outcome);
         }));
-        match ran {
-            Ok(Some(())) => {}
+        if let Err(payload) = ran {
+            future.complete(Outcome::Error(TaskError::Core(Error::Panic(
+                panic_message(&*payload),
+            ))));
+        }
+    }
+}
+
+impl Job for PyTask {
+    fn run(self: Box<Self>) {
+        if IN_BATCH.with(|b| b.get()) {
+            // Taken by the batch below on this thread: already attached.
+            return Python::attach(|py| self.call(py));
+        }
+        let future = self.future.clone();
+        let attached = Python::try_attach(|py| {
+            self.call(py);
+            IN_BATCH.with(|b| b.set(true));
+            let until = Instant::now() + BATCH;
+            while Instant::now() < until {
+                match pool().try_pop() {
+                    Some(job) => job.run(),
+                    None => break,
+                }
+            }
+            IN_BATCH.with(|b| b.set(false));
+        });
+        if attached.is_none() {
             // The interpreter is finalizing: no Python can run any more.
-            Ok(None) => {
-                future.complete(Outcome::Error(TaskError::Core(Error::ShutDown)));
-            }
-            Err(payload) => {
-                future.complete(Outcome::Error(TaskError::Core(Error::Panic(
-                    panic_message(&*payload),
-                ))));
-            }
+            future.complete(Outcome::Error(TaskError::Core(Error::ShutDown)));
         }
     }
 
@@ -327,6 +324,29 @@ pub fn submit(func: Py<PyAny>, args: Py<PyTuple>) -> PyResult<PyFuture> {
         }))
         .map_err(|_| Error::ShutDown)?;
     Ok(PyFuture { inner: future })
+}
+
+/// Runs `func(*args)` for each tuple of `args_list` on the pool, queued under
+/// one lock; returns their futures, in order, at once.
+#[pyfunction]
+pub fn submit_many(
+    py: Python<'_>,
+    func: Py<PyAny>,
+    args_list: Vec<Py<PyTuple>>,
+) -> PyResult<Vec<PyFuture>> {
+    let mut futures = Vec::with_capacity(args_list.len());
+    let mut jobs: Vec<Box<dyn Job>> = Vec::with_capacity(args_list.len());
+    for args in args_list {
+        let future = CoreFuture::new();
+        jobs.push(Box::new(PyTask {
+            func: func.clone_ref(py),
+            args,
+            future: future.clone(),
+        }));
+        futures.push(PyFuture { inner: future });
+    }
+    pool().submit_all(jobs).map_err(|_| Error::ShutDown)?;
+    Ok(futures)
 }
 
 /// A task that panics in Rust, to test that a panic reaches Python as an

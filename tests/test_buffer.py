@@ -10,11 +10,12 @@ import socket
 import threading
 import time
 
-import async_array as aa
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import async_array as aa
 from async_array import _core
 
 WAIT = 30

@@ -19,8 +19,9 @@ import threading
 import time
 import traceback
 
-import async_array as aa
 import pytest
+
+import async_array as aa
 from async_array import _core
 
 # Long enough for a loaded 2-core machine; a healthy run takes milliseconds.

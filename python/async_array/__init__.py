@@ -10,6 +10,7 @@ from . import _core
 from ._array import AsyncArray
 from ._buffer import empty
 from ._core import HostBuffer
+from ._jit import jit
 from ._map import async_map, async_stream
 from ._pool import configure, max_workers
 from ._tree import (
@@ -39,6 +40,7 @@ __all__ = [
     "async_wrap",
     "configure",
     "empty",
+    "jit",
     "materialize",
     "max_workers",
     "wait",

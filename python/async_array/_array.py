@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
+import gc
+import inspect
 import logging
 import math
 from collections.abc import Callable, Generator, Sequence
@@ -17,6 +20,9 @@ import numpy as np
 from . import _core, _jax_hooks
 
 _LOG = logging.getLogger("async_array")
+
+# A leaf's exception, the traceback it left its task with, and its notes then.
+_LeafError = tuple[BaseException, TracebackType | None, list[str]]
 
 
 class Source:
@@ -55,7 +61,9 @@ class Source:
         self.leaf_count = leaf_count
         self.key_path = key_path
         self.retrieved = False
-        self.leaf_errors: dict[int, tuple[BaseException, TracebackType | None]] | None = None
+        self.leaf_errors: (
+            dict[int, tuple[BaseException, TracebackType | None, list[str]]] | None
+        ) = None
 
     def where(self, index: int) -> str:
         path = self.key_path(index)
@@ -63,40 +71,49 @@ class Source:
 
     def error(self, index: int) -> tuple[BaseException, TracebackType | None] | None:
         """Leaf ``index``'s exception and the traceback to raise it with, or
-        None; the future must be done. Raising with that traceback each time
-        keeps it from growing with repeated uses."""
+        None; the future must be done. Each call restores the exception's
+        notes and the caller raises with that traceback, so neither grows
+        with repeated uses (JAX adds a note whenever one passes through jit)."""
         fut = self.future
         if fut.cancelled():
             return (
                 concurrent.futures.CancelledError(f"{self.where(index)}: cancelled before it ran"),
                 None,
             )
-        exc = fut.exception(0)
-        if exc is not None:
-            return self._leaf_copy(index, exc)
-        value = fut.result(0)[index]
-        return (value, None) if isinstance(value, BaseException) else None
-
-    def _leaf_copy(
-        self, index: int, exc: BaseException
-    ) -> tuple[BaseException, TracebackType | None]:
-        """``exc`` with a note naming the leaf: the same object for a single
-        leaf, a shallow copy (same type, args, traceback, cause) for each leaf
-        of a tree, so notes of different leaves never mix."""
         errors = self.leaf_errors
-        if errors is None:
-            errors = self.leaf_errors = {}
-        found = errors.get(index)
+        found = errors.get(index) if errors is not None else None
         if found is None:
-            leaf_exc = exc if self.leaf_count == 1 else _shallow_copy(exc)
-            leaf_exc.add_note(f"async_array: raised in {self.where(index)}")
-            found = errors[index] = (leaf_exc, exc.__traceback__)
-        return found
+            exc = fut.exception(0)
+            if exc is not None:
+                # Same object for a single leaf; for a tree, a shallow copy per
+                # leaf (same type, args, traceback, cause) so notes never mix.
+                leaf_exc = exc if self.leaf_count == 1 else _shallow_copy(exc)
+                leaf_exc.add_note(f"async_array: raised in {self.where(index)}")
+                tb = exc.__traceback__
+            else:
+                value = fut.result(0)[index]
+                if not isinstance(value, BaseException):
+                    return None
+                leaf_exc, tb = value, None
+            found = (leaf_exc, tb, list(getattr(leaf_exc, "__notes__", ())))
+            if errors is None:
+                errors = self.leaf_errors = {}
+            errors[index] = found
+        leaf_exc, tb, notes = found
+        leaf_exc.__notes__ = list(notes)
+        return leaf_exc, tb
 
     def value(self, index: int, timeout: float | None) -> jax.Array:
         """Waits (GIL released) and returns leaf ``index``'s ``jax.Array``."""
         fut = self.future
-        if not fut.done() and not fut.wait(timeout):
+        values = fut.peek()
+        if values is not None:
+            value = values[index]
+            if not isinstance(value, BaseException):
+                if self.leaf_count == 1:
+                    self.retrieved = True  # nothing left to report at collection
+                return value
+        elif not fut.done() and not fut.wait(timeout):
             raise TimeoutError(f"{self.where(index)}: not ready after {timeout} s")
         failed = self.error(index)
         if failed is not None:
@@ -108,12 +125,16 @@ class Source:
     def __del__(self) -> None:
         # As asyncio does: an exception nobody retrieved is logged, not lost.
         try:
-            fut = self.future
-            if self.retrieved or not fut.done() or fut.cancelled():
+            if self.retrieved:
                 return
-            exc = fut.exception(0)
-            if exc is None:
-                exc = next((v for v in fut.result(0) if isinstance(v, BaseException)), None)
+            fut = self.future
+            values = fut.peek()
+            if values is not None:
+                exc = next((v for v in values if isinstance(v, BaseException)), None)
+            elif not fut.done() or fut.cancelled():
+                return
+            else:
+                exc = fut.exception(0)
             if exc is not None:
                 _LOG.error(
                     "async_array: %s failed and no leaf's exception was ever retrieved",
@@ -192,7 +213,7 @@ class AsyncArray(jax.Array):
     # -- known at once -------------------------------------------------------
     @property
     def aval(self) -> Any:
-        """The abstract value (``ShapedArray``), never weakly typed."""
+        """The abstract value (``ShapedArray``): shape, dtype, weak type."""
         return self._aval
 
     @property
@@ -222,7 +243,9 @@ class AsyncArray(jax.Array):
 
     @property
     def weak_type(self) -> bool:
-        return False
+        """False for ``async_wrap`` leaves; an ``aa.jit`` output is weakly
+        typed exactly where ``jax.jit``'s would be."""
+        return getattr(self._aval, "weak_type", False)
 
     @property
     def sharding(self) -> jax.sharding.Sharding:
@@ -376,21 +399,17 @@ class AsyncArray(jax.Array):
     def __format__(self, spec: str) -> str:
         return format(self.result(), spec)
 
-    def __jax_array__(self) -> jax.Array:
+    @property
+    def __jax_array__(self) -> Callable[[], jax.Array]:
+        # A property, so that without the hooks JAX's own probe for this
+        # attribute raises the error that names the public route.
         if _jax_hooks.ERROR is not None:
             raise _jax_hooks.hooks_error()
-        return self.result()
+        return self.result
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         out = np.asarray(self.result(), dtype=dtype)
         return out.copy() if copy else out
-
-    def __getattr__(self, name: str) -> Any:
-        # Only names of the concrete jax.Array: a probe for anything else
-        # (hasattr(x, "foo")) answers at once instead of waiting.
-        if name in _FORWARDED_ATTRS:
-            return getattr(self.result(), name)
-        raise AttributeError(f"'AsyncArray' object has no attribute {name!r}")
 
     def __reduce__(self) -> Any:
         return self.result().__reduce__()
@@ -438,24 +457,17 @@ for _name in _OPERATORS:
     if hasattr(_ArrayImpl, _name):
         setattr(AsyncArray, _name, _forward(_name))
 
-# What jax.Array declares but cannot answer without the value.
-_NEEDS_VALUE = (
-    "addressable_data", "addressable_shards", "global_shards", "copy_to_host_async",
-    "delete", "is_deleted", "on_device_size_in_bytes", "unsafe_buffer_pointer",
-    "to_device", "traceback",
-)  # fmt: skip
-for _name in _NEEDS_VALUE:
-    _static = getattr(_ArrayImpl, _name, None)
-    if _static is None:
+# Every other public name of the concrete jax.Array (methods such as sum or
+# reshape, properties such as T or at) waits and defers to the result. Names
+# jax.Array lacks stay missing, so hasattr(x, "foo") answers without waiting.
+for _name in dir(_ArrayImpl):
+    if _name.startswith("_") or _name in AsyncArray.__dict__:
         continue
-    if isinstance(_static, property) or not callable(_static):
-        setattr(AsyncArray, _name, _forward_property(_name))
-    else:
+    _static = inspect.getattr_static(_ArrayImpl, _name)
+    if callable(_static) and not isinstance(_static, property):
         setattr(AsyncArray, _name, _forward(_name))
-
-_FORWARDED_ATTRS = frozenset(
-    name for name in dir(_ArrayImpl) if not name.startswith("_") and not hasattr(AsyncArray, name)
-)
+    else:
+        setattr(AsyncArray, _name, _forward_property(_name))
 
 
 def resolve_all(leaves: Sequence[Any], timeout: float | None = None) -> list[Any]:
@@ -467,16 +479,33 @@ def resolve_all(leaves: Sequence[Any], timeout: float | None = None) -> list[Any
       TimeoutError: some leaf not ready within ``timeout`` seconds.
       Exception: the first failed leaf's exception.
     """
-    pending: dict[int, Any] = {}
-    for leaf in leaves:
-        if type(leaf) is AsyncArray:
-            source = leaf._source
-            if source is not None and not source.future.done():
-                pending[id(source.future)] = source.future
-    if pending and not _core.wait_all(list(pending.values()), timeout):
-        left = sum(1 for leaf in leaves if type(leaf) is AsyncArray and not leaf.done())
-        raise TimeoutError(f"async_array: {left} leaves not ready after {timeout} s")
-    return [leaf.result() if type(leaf) is AsyncArray else leaf for leaf in leaves]
+    with paused_gc():
+        pending: dict[int, Any] = {}
+        for leaf in leaves:
+            if type(leaf) is AsyncArray:
+                source = leaf._source
+                if source is not None:
+                    fut = source.future
+                    if id(fut) not in pending and not fut.done():
+                        pending[id(fut)] = fut
+        if pending and not _core.wait_all(list(pending.values()), timeout):
+            left = sum(1 for leaf in leaves if type(leaf) is AsyncArray and not leaf.done())
+            raise TimeoutError(f"async_array: {left} leaves not ready after {timeout} s")
+        return [leaf.result() if type(leaf) is AsyncArray else leaf for leaf in leaves]
+
+
+@contextlib.contextmanager
+def paused_gc() -> Generator[None, None, None]:
+    """Pauses the cyclic garbage collector while a tree's leaves are made or
+    resolved in bulk: they are acyclic, and collections triggered by the
+    allocation count alone cost several microseconds a leaf on large trees."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 _jax_hooks.install(AsyncArray, resolve_all)

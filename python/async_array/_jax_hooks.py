@@ -11,9 +11,10 @@ the same ones JAX makes for its own ``EArray`` (``jax/_src/earray.py``):
 * ``pxla.shard_arg_handlers``: at dispatch, every ``AsyncArray`` argument of one
   call is resolved in one GIL-free wait, then handed on as a ``jax.Array``.
 
-Also here: the fast per-leaf hand-off to JAX (``pxla.batched_device_put``, about
-5x cheaper than ``jax.device_put`` per leaf) and JAX's own warning for an x64
-dtype requested while x64 is off. Each is checked against the JAX version at
+Also here: the per-leaf hand-off to JAX (``xla_client.batched_device_put`` and
+DLPack's ``dlpack_managed_tensor_to_buffer``, about 10x cheaper per leaf than
+``jax.device_put`` and ``jax.dlpack.from_dlpack``), and JAX's own warning for
+an x64 dtype requested while x64 is off. Each is checked against the JAX version at
 import; where any is missing, :data:`ERROR` says so, ``jax.jit`` on an
 ``AsyncArray`` raises it, and the public route (``aa.jit``, ``aa.materialize``)
 still works.
@@ -46,11 +47,20 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 try:
+    from jax._src import array as _array
     from jax._src import core as _core
     from jax._src import dtypes as _dtypes
     from jax._src.interpreters import pxla as _pxla
+    from jax._src.lib import _jax as _jaxlib
+    from jax._src.lib import xla_client as _xc
 
     _ShapedArray = _core.ShapedArray
+    _ArrayImpl = _array.ArrayImpl
+    _xc_batched_device_put = _xc.batched_device_put
+    _ZERO_COPY = _xc.HostBufferSemantics.ZERO_COPY
+    _COPY_DURING_CALL = _xc.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
+    _dlpack_to_buffer = _jaxlib.dlpack_managed_tensor_to_buffer
+    _KDL_CPU = 1
     _batched_device_put = _pxla.batched_device_put
     _shard_args = _pxla.shard_args
     _register_canonicalize = _dtypes.register_canonicalize_value_handler
@@ -74,9 +84,10 @@ if ERROR is not None:
     ERROR += _PUBLIC_ROUTE
 
 
-def hooks_error() -> TypeError:
-    """The error to raise where JAX would need the missing hooks."""
-    return TypeError(f"jax.jit and jnp cannot take an AsyncArray directly: {ERROR}")
+def hooks_error() -> RuntimeError:
+    """The error to raise where JAX would need the missing hooks (a
+    RuntimeError: JAX rewraps a TypeError raised while it reads an argument)."""
+    return RuntimeError(f"jax.jit and jnp cannot take an AsyncArray directly: {ERROR}")
 
 
 def install(array_type: type, resolve_all: Callable[[Sequence[Any]], list[jax.Array]]) -> None:
@@ -107,19 +118,65 @@ def canonical_dtype(dtype: np.dtype, fun_name: str) -> np.dtype:
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
-def device_put(host: np.ndarray | jax.Array, aval: Any, sharding: Any, committed: bool):
-    """Hands ``host`` to JAX as a ``jax.Array`` with ``sharding``.
+# Devices of shardings that give every device the whole array, by id; the
+# sharding is kept too, so its id is never reused while cached.
+_whole: dict[int, tuple[Any, list[Any]]] = {}
 
-    On CPU, a 64-byte-aligned C-contiguous numpy array is aliased, not copied:
-    the caller passes only memory nothing else will write.
+
+def _placement(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Any], list[Any] | None]:
+    """(devices, index per device), or (devices, None) when every device gets it whole."""
+    found = _whole.get(id(sharding))
+    if found is not None:
+        return found[1], None
+    if len(sharding.device_set) == 1 or sharding.is_fully_replicated:
+        devices = list(sharding._addressable_device_assignment)
+        if len(_whole) < 4096:
+            _whole[id(sharding)] = (sharding, devices)
+        return devices, None
+    index_map = sharding.addressable_devices_indices_map(shape)
+    return list(index_map), list(index_map.values())
+
+
+def put_host(host: np.ndarray, aval: Any, sharding: Any, committed: bool, alias: bool) -> jax.Array:
+    """Hands a numpy array of the leaf's dtype to JAX with ``sharding``.
+
+    ``alias=True`` lets XLA's CPU client use the memory in place (it does when
+    the array is 64-byte aligned and C-contiguous): only for memory nothing else
+    will write. Otherwise JAX copies it during the call, once.
     """
     if ERROR is not None:
-        return jax.device_put(host, sharding)
-    if sharding.is_fully_replicated or len(sharding.device_set) == 1:
-        devices = sharding._addressable_device_assignment
+        # Public route: jax.device_put may alias host memory, so copy unless ours.
+        host = host if alias else np.array(host, copy=True)
+        return jax.device_put(host, sharding if committed else None)
+    devices, indices = _placement(sharding, aval.shape)
+    if indices is None:
         shards = [host] * len(devices)
     else:
-        index_map = sharding.addressable_devices_indices_map(aval.shape)
-        devices = list(index_map)
-        shards = [host[index] for index in index_map.values()]
-    return _batched_device_put(aval, sharding, shards, devices, committed=committed)
+        shards = [host[i] for i in indices]
+        alias = False
+    semantics = _ZERO_COPY if alias else _COPY_DURING_CALL
+    return _xc_batched_device_put(aval, sharding, shards, devices, committed, False, semantics)
+
+
+def put_dlpack(buf: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array:
+    """Hands a CPU DLPack producer (a ``HostBuffer``) of the leaf's dtype and
+    shape to JAX without a copy, on ``sharding``'s single CPU device.
+
+    The same path as ``jax.dlpack.from_dlpack(buf, copy=False)``, minus its
+    per-call Python overhead (several times the cost of the hand-off itself).
+    """
+    if ERROR is not None:
+        array = jax.dlpack.from_dlpack(buf, copy=False)
+        return jax.device_put(array, sharding) if committed else array
+    (device,) = sharding.device_set
+    capsule = buf.__dlpack__(stream=None)
+    array = _dlpack_to_buffer(capsule, device, None, False, _KDL_CPU)
+    return _ArrayImpl(aval, sharding, [array], committed=committed, _skip_checks=True)
+
+
+def put_array(array: jax.Array, aval: Any, sharding: Any, committed: bool) -> jax.Array:
+    """Re-labels a single-device ``jax.Array`` already on ``sharding``'s
+    device with the leaf's aval and commitment (no copy)."""
+    if ERROR is not None:
+        return jax.device_put(array, sharding) if committed else array
+    return _batched_device_put(aval, sharding, [array], list(sharding.device_set), committed)

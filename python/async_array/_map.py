@@ -11,7 +11,8 @@ from typing import Any
 import jax
 
 from . import _core
-from ._array import AsyncArray, Source
+from ._array import AsyncArray, Source, paused_gc
+from ._pool import jax_work
 from ._wrap import LeafSpecs, convert_one, declare, qualname
 
 _LOG = logging.getLogger("async_array")
@@ -34,7 +35,8 @@ def _run_leaf(fn: Callable[[Any, Any], Any], path: Any, spec: Any, specs: LeafSp
     except BaseException as exc:
         traceback.clear_frames(exc.__traceback__)
         raise
-    return [convert_one(specs, i, holder)]
+    with jax_work:
+        return [convert_one(specs, i, holder)]
 
 
 def async_map(fn: Callable[[Any, Any], Any], like: Any, *, sharding: Any = None) -> Any:
@@ -60,16 +62,28 @@ def async_map(fn: Callable[[Any, Any], Any], like: Any, *, sharding: Any = None)
     """
     if not callable(fn):
         raise TypeError(f"async_map: fn must be callable, got {type(fn).__name__}")
+    with paused_gc():
+        return _async_map(fn, like, sharding)
+
+
+def _async_map(fn: Callable[[Any, Any], Any], like: Any, sharding: Any) -> Any:
     specs, paths, specs_in = _specs_and_paths(f"async_map({qualname(fn)})", like, sharding)
-    leaves = []
-    for i, (path, spec) in enumerate(zip(paths, specs_in, strict=True)):
-        future = _core.submit(_run_leaf, fn, path, spec, specs, i)
-        source = Source(future, specs.name, 1, _leaf_path(path))
-        leaves.append(
-            AsyncArray(
-                source, 0, specs.avals[i], specs.shardings[i] if specs.committed[i] else None
-            )
+    # One lock and one wake-up round for the whole tree, not one per leaf.
+    args = [
+        (fn, path, spec, specs, i)
+        for i, (path, spec) in enumerate(zip(paths, specs_in, strict=True))
+    ]
+    futures = _core.submit_many(_run_leaf, args)
+    name, avals, shardings, committed = specs.name, specs.avals, specs.shardings, specs.committed
+    leaves = [
+        AsyncArray(
+            Source(future, name, 1, _leaf_path(path)),
+            0,
+            avals[i],
+            shardings[i] if committed[i] else None,
         )
+        for i, (future, path) in enumerate(zip(futures, paths, strict=True))
+    ]
     return specs.treedef.unflatten(leaves)
 
 
@@ -89,7 +103,8 @@ def _drive_stream(
                 unknown.append(text)
                 _LOG.error("%s: yielded key path %s, which like does not have", specs.name, text)
                 continue
-            entry = convert_one(specs, i, [value])
+            with jax_work:
+                entry = convert_one(specs, i, [value])
             del value
             if not futures[i].set_result([entry]):
                 _LOG.error(
@@ -134,6 +149,11 @@ def async_stream(
     """
     if not callable(gen_fn):
         raise TypeError(f"async_stream: gen_fn must be callable, got {type(gen_fn).__name__}")
+    with paused_gc():
+        return _async_stream(gen_fn, like, sharding)
+
+
+def _async_stream(gen_fn: Callable[[], Iterable[tuple[Any, Any]]], like: Any, sharding: Any) -> Any:
     specs, paths, _ = _specs_and_paths(f"async_stream({qualname(gen_fn)})", like, sharding)
     futures = [_core.Future() for _ in paths]
     leaves = [

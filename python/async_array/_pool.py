@@ -5,6 +5,9 @@ from __future__ import annotations
 import atexit
 import operator
 import os
+import time
+
+import jax  # noqa: F401  (imported first: its exit hook must run after ours)
 
 from . import _core
 
@@ -58,9 +61,57 @@ def max_workers() -> int:
     return _core.pool_stats()["max_workers"]
 
 
+class JaxWork:
+    """Counts pool work that is inside JAX (a hand-off, a compile, a run).
+
+    At interpreter exit, JAX's own exit hook tears down its backends; a thread
+    still inside XLA then crashes the process. So exit waits for this count to
+    reach zero (at most :data:`EXIT_GRACE` seconds), and refuses new JAX work.
+    The tasks' own functions are not waited for.
+
+    Use as ``with jax_work: ...`` around the JAX part of a pool task.
+    """
+
+    __slots__ = ("_active", "_exiting")
+
+    def __init__(self) -> None:
+        # list.append and list.pop are atomic under the GIL: a lock-free count.
+        self._active: list[None] = []
+        self._exiting = False
+
+    def __enter__(self) -> None:
+        # Count first, then look: drain() sets the flag first, then looks.
+        self._active.append(None)
+        if self._exiting:
+            self._active.pop()
+            raise RuntimeError("async_array: the interpreter is exiting; no new work goes to JAX")
+
+    def __exit__(self, *exc: object) -> None:
+        self._active.pop()
+
+    def drain(self, timeout: float) -> bool:
+        """Refuses new work, then waits up to ``timeout`` seconds for the rest."""
+        self._exiting = True
+        deadline = time.monotonic() + timeout
+        while self._active and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return not self._active
+
+
+#: Seconds interpreter exit waits for work inside JAX (not for the tasks' functions).
+EXIT_GRACE = 30.0
+
+jax_work = JaxWork()
+
+
+def _at_exit() -> None:
+    _core.shutdown()  # queued tasks are cancelled; running ones are not waited for
+    jax_work.drain(EXIT_GRACE)
+
+
 configure()
-# At exit, queued tasks are cancelled and running ones are not waited for.
-atexit.register(_core.shutdown)
+# Registered after `import jax`, so it runs before JAX's own exit hook (LIFO).
+atexit.register(_at_exit)
 # The core holds its lock across fork() itself (pthread_atfork); in the child
 # it then fails the tasks the parent's workers were running and restarts the rest.
 os.register_at_fork(after_in_child=_core._after_fork_child)

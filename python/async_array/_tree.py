@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import jax
 
 from . import _core
-from ._array import AsyncArray, resolve_all
+from ._array import AsyncArray, paused_gc, resolve_all
 
 FIRST_COMPLETED = "FIRST_COMPLETED"
 FIRST_EXCEPTION = "FIRST_EXCEPTION"
@@ -42,7 +42,9 @@ def materialize(tree: Any, timeout: float | None = None) -> Any:
       Array([1., 1.], dtype=float32)
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef.unflatten(resolve_all(leaves, timeout))
+    values = resolve_all(leaves, timeout)
+    with paused_gc():
+        return treedef.unflatten(values)
 
 
 class Pending(NamedTuple):
@@ -56,6 +58,11 @@ class Pending(NamedTuple):
 
 
 def _pending(tree: Any) -> Pending:
+    with paused_gc():
+        return _group_pending(tree)
+
+
+def _group_pending(tree: Any) -> Pending:
     flat = [
         (path, leaf)
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]

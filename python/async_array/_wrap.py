@@ -18,9 +18,10 @@ import jax
 import numpy as np
 
 from . import _core, _jax_hooks
-from ._array import AsyncArray, Source, default_sharding
+from ._array import AsyncArray, Source, default_sharding, paused_gc
 from ._buffer import aligned_array
 from ._core import HostBuffer
+from ._pool import jax_work
 
 _Sharding = jax.sharding.Sharding
 
@@ -51,10 +52,16 @@ def _shape(shape: Any, where: str) -> tuple[int, ...]:
     return dims
 
 
-@functools.lru_cache(maxsize=1024)
+# Dtypes JAX keeps as they are, by x64 mode (the answer changes with jax_enable_x64).
+_unchanged: dict[tuple[np.dtype, bool], bool] = {}
+
+
 def _canonical(dtype: np.dtype, x64: bool) -> np.dtype:
-    # x64 is part of the key: the answer changes when jax_enable_x64 does.
-    return _jax_hooks.canonical_dtype(dtype, "async_wrap")
+    if _unchanged.get((dtype, x64)):
+        return dtype
+    out = _jax_hooks.canonical_dtype(dtype, "async_wrap")  # warns when it narrows
+    _unchanged[(dtype, x64)] = out == dtype
+    return out
 
 
 def _dtype(dtype: Any, where: str) -> np.dtype:
@@ -229,8 +236,10 @@ def _copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def _on_cpu(sharding: _Sharding) -> bool:
-    return all(d.platform == "cpu" for d in sharding.device_set)
+def _on_one_cpu(sharding: _Sharding) -> bool:
+    """Whether host memory can be aliased there: one CPU device."""
+    (device, *more) = sharding.device_set
+    return not more and device.platform == "cpu"
 
 
 def _host_array(value: Any, where: str) -> np.ndarray:
@@ -258,7 +267,7 @@ def place(
     committed: bool,
     where: str,
 ) -> jax.Array:
-    """Turns one result into the leaf's ``jax.Array``.
+    """Turns one result into the leaf's ``jax.Array``, copying at most once.
 
     Args:
       value: what the function returned for this leaf.
@@ -275,59 +284,55 @@ def place(
       OverflowError: a value that does not fit the declared dtype.
     """
     shape, dtype = aval.shape, aval.dtype
-    if isinstance(value, AsyncArray):
-        value = value.result()
-    if isinstance(value, jax.Array):
-        if value.shape != shape:
-            raise ValueError(f"{where}: expected shape {shape}, got {value.shape}")
-        if value.dtype == dtype:
-            if not value.sharding.is_equivalent_to(sharding, len(shape)):
-                value = jax.device_put(value, sharding)  # a copy, now ours alone
-            elif not exclusive:
-                value = value.copy()  # the loader may delete or donate its own
-            if len(sharding.device_set) > 1:
-                return value
-            return _jax_hooks.device_put(value, aval, sharding, committed)
-        value, exclusive = np.asarray(value), False
-    elif isinstance(value, HostBuffer):
-        if value.shape == shape and value.dtype == dtype and _on_cpu(sharding):
+    if type(value) is np.ndarray:
+        host = value
+    elif isinstance(value, jax.Array):
+        return _place_jax_array(value, exclusive, aval, sharding, committed, where)
+    elif type(value) is HostBuffer:
+        if value.shape == shape and value.dtype == dtype and _on_one_cpu(sharding):
             value.mark_exported()
-            if _jax_hooks.ERROR is None and len(sharding.device_set) == 1:
-                # Zero-copy through DLPack, then re-labelled with the leaf's
-                # sharding and commitment (same buffer, no copy).
-                array = jax.dlpack.from_dlpack(value, copy=False)
-                return _jax_hooks.device_put(array, aval, sharding, committed)
-            return _jax_hooks.device_put(np.asarray(value), aval, sharding, committed)
-        value, exclusive = np.asarray(value), False
-
-    host = _host_array(value, where)
-    if host is not value:
-        # A new array (from a list or scalar) is ours alone; an array some
-        # object hands out through __array__ is still that object's.
-        del value
-        exclusive = sys.getrefcount(host) <= _EXCLUSIVE_REFS
+            return _jax_hooks.put_dlpack(value, aval, sharding, committed)
+        host, exclusive = np.asarray(value), False
+    else:
+        host = _host_array(value, where)
+        if host is not value:
+            # A new array (from a list or scalar) is ours alone; an array some
+            # object hands out through __array__ is still that object's.
+            del value
+            exclusive = sys.getrefcount(host) <= _EXCLUSIVE_REFS
     if host.shape != shape:
         raise ValueError(f"{where}: expected shape {shape}, got {host.shape}")
+    if host.dtype == dtype and host.flags.c_contiguous:
+        alias = (
+            exclusive
+            and host.flags.owndata
+            and _on_one_cpu(sharding)
+            and host.__array_interface__["data"][0] % _ALIGN == 0
+        )
+        return _jax_hooks.put_host(host, aval, sharding, committed, alias)
+    # Cast, byte-swap or gather strides in one pass into memory that is ours.
     _check_cast(host.dtype, dtype, where)
-    if not _on_cpu(sharding):
-        # Off the host, the transfer is the one copy.
-        if host.dtype != dtype or not host.dtype.isnative:
-            staged = np.empty(shape, dtype)
-            _copy_checked(host, staged, where)
-            host = staged
-        return _jax_hooks.device_put(host, aval, sharding, committed)
-    aliasable = (
-        exclusive
-        and host.dtype == dtype
-        and host.flags.c_contiguous
-        and host.flags.owndata
-        and host.ctypes.data % _ALIGN == 0
-    )
-    if not aliasable:
-        staged = aligned_array(shape, dtype)
-        _copy_checked(host, staged, where)
-        host = staged
-    return _jax_hooks.device_put(host, aval, sharding, committed)
+    staged = aligned_array(shape, dtype)
+    _copy_checked(host, staged, where)
+    return _jax_hooks.put_host(staged, aval, sharding, committed, alias=True)
+
+
+def _place_jax_array(
+    value: jax.Array, exclusive: bool, aval: Any, sharding: _Sharding, committed: bool, where: str
+) -> jax.Array:
+    if isinstance(value, AsyncArray):
+        value = value.result()
+    if value.shape != aval.shape:
+        raise ValueError(f"{where}: expected shape {aval.shape}, got {value.shape}")
+    if value.dtype != aval.dtype:
+        return place(np.asarray(value), False, aval, sharding, committed, where)
+    if not value.sharding.is_equivalent_to(sharding, len(aval.shape)):
+        value = jax.device_put(value, sharding)  # a copy, so ours alone
+    elif not exclusive:
+        value = value.copy()  # the loader may delete or donate its own
+    if len(sharding.device_set) > 1:
+        return value
+    return _jax_hooks.put_array(value, aval, sharding, committed)
 
 
 def structure_error(specs: LeafSpecs, out: Any, cause: Exception) -> ValueError:
@@ -394,7 +399,8 @@ def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
         # half-filled buffers, say).
         traceback.clear_frames(exc.__traceback__)
         raise
-    return convert_results(specs, holder)
+    with jax_work, paused_gc():
+        return convert_results(specs, holder)
 
 
 def leaves_for(specs: LeafSpecs, future: _core.Future) -> Any:
@@ -463,5 +469,6 @@ def async_wrap(
     """
     if not callable(f):
         raise TypeError(f"async_wrap: f must be callable, got {type(f).__name__}")
-    specs = declare(f"async_wrap({qualname(f)})", shape, dtype, like, sharding)
-    return leaves_for(specs, _core.submit(_run, f, specs))
+    with paused_gc():
+        specs = declare(f"async_wrap({qualname(f)})", shape, dtype, like, sharding)
+        return leaves_for(specs, _core.submit(_run, f, specs))

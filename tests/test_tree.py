@@ -1,0 +1,284 @@
+"""Whole-tree waits and many-leaf producers: materialize, wait, as_completed,
+async_map, async_stream (issue 6)."""
+
+import logging
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import async_array as aa
+
+F32 = np.float32
+keystr = jax.tree_util.keystr
+
+
+def sds(shape=(2,), dtype=F32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def after(seconds, value):
+    def f():
+        time.sleep(seconds)
+        return value
+
+    return f
+
+
+# -- materialize ----------------------------------------------------------------
+
+
+def test_materialize_returns_jax_arrays_and_passes_other_leaves():
+    tree = {
+        "a": aa.async_wrap(after(0.1, [1, 2]), shape=(2,), dtype=F32),
+        "b": [np.ones(1), 3, "text"],
+        "c": aa.async_wrap(after(0.05, 7), shape=(), dtype=np.int32),
+    }
+    out = aa.materialize(tree)
+    assert type(out["a"]) is type(jax.numpy.zeros(1)) and out["a"].tolist() == [1.0, 2.0]
+    assert out["b"][1] == 3 and out["b"][2] == "text" and int(out["c"]) == 7
+
+
+def test_materialize_times_out_and_raises_the_first_failure():
+    slow = aa.async_wrap(after(5, [1.0]), shape=(1,), dtype=F32)
+    t = time.perf_counter()
+    with pytest.raises(TimeoutError, match=r"1 leaves not ready after 0\.2 s"):
+        aa.materialize({"slow": slow, "fast": np.ones(1)}, timeout=0.2)
+    assert time.perf_counter() - t < 2
+
+    def boom():
+        raise ZeroDivisionError("in loader")
+
+    bad = aa.async_wrap(boom, shape=(1,), dtype=F32)
+    with pytest.raises(ZeroDivisionError) as e:
+        aa.materialize([bad])
+    assert (
+        "async_wrap(test_materialize_times_out_and_raises_the_first_failure.<locals>.boom)"
+        in (e.value.__notes__[0])
+    )
+
+
+def test_one_hundred_thousand_leaves_values_and_key_paths():
+    n = 100_000
+    like = {}
+    for i in range(n):
+        like.setdefault(f"layer{i // 100:04d}", {})[f"w{i % 100:02d}"] = sds((2,), np.int32)
+
+    def f():
+        return {
+            layer: {w: np.array([int(layer[5:]), int(w[1:])], np.int32) for w in ws}
+            for layer, ws in like.items()
+        }
+
+    tree = aa.async_wrap(f, like=like)
+    out = aa.materialize(tree)
+    flat = jax.tree_util.tree_flatten_with_path(out)[0]
+    assert len(flat) == n
+    for path, value in flat[::997]:
+        layer, w = path[0].key, path[1].key
+        assert value.tolist() == [int(layer[5:]), int(w[1:])]
+        assert keystr(path) == f"['{layer}']['{w}']"
+
+
+# -- wait ----------------------------------------------------------------
+
+
+def _three():
+    def boom():
+        time.sleep(0.3)
+        raise KeyError("b")
+
+    return {
+        "fast": aa.async_wrap(after(0.05, [1.0]), shape=(1,), dtype=F32),
+        "fails": aa.async_wrap(boom, shape=(1,), dtype=F32),
+        "slow": aa.async_wrap(after(1.5, [3.0]), shape=(1,), dtype=F32),
+    }
+
+
+def _paths(pairs):
+    return sorted(keystr(p) for p, _ in pairs)
+
+
+def test_wait_all_completed():
+    tree = _three()
+    done, not_done = aa.wait(tree)
+    assert _paths(done) == ["['fails']", "['fast']", "['slow']"] and not_done == []
+    assert all(leaf is tree[p[0].key] for p, leaf in done)
+
+
+def test_wait_first_completed():
+    tree = _three()
+    t = time.perf_counter()
+    done, not_done = aa.wait(tree, return_when=aa.FIRST_COMPLETED)
+    assert time.perf_counter() - t < 1.0
+    assert _paths(done) == ["['fast']"]
+    assert _paths(not_done) == ["['fails']", "['slow']"]
+
+
+def test_wait_first_exception():
+    tree = _three()
+    t = time.perf_counter()
+    done, not_done = aa.wait(tree, return_when=aa.FIRST_EXCEPTION)
+    assert time.perf_counter() - t < 1.2
+    assert _paths(done) == ["['fails']", "['fast']"] and _paths(not_done) == ["['slow']"]
+    assert isinstance(tree["fails"].exception(), KeyError)
+    # No exception at all: FIRST_EXCEPTION waits for everything.
+    ok = {"a": aa.async_wrap(after(0.1, [1.0]), shape=(1,), dtype=F32)}
+    done, not_done = aa.wait(ok, return_when=aa.FIRST_EXCEPTION)
+    assert _paths(done) == ["['a']"] and not_done == []
+
+
+def test_wait_timeout_is_not_an_error():
+    tree = _three()
+    t = time.perf_counter()
+    done, not_done = aa.wait(tree, timeout=0.15)
+    assert 0.1 < time.perf_counter() - t < 1.0
+    assert _paths(done) == ["['fast']"] and _paths(not_done) == ["['fails']", "['slow']"]
+    with pytest.raises(ValueError, match="return_when"):
+        aa.wait(tree, return_when="SOMETIMES")
+
+
+# -- as_completed ----------------------------------------------------------------
+
+
+def test_as_completed_follows_completion_order():
+    delays = {"d": 1.1, "a": 0.3, "c": 0.0, "b": 0.7}
+    tree = {k: aa.async_wrap(after(s, [s]), shape=(1,), dtype=F32) for k, s in delays.items()}
+    time.sleep(0.1)  # "c" is done before iteration starts
+    order = [(path[0].key, round(float(v[0]), 2)) for path, v in aa.as_completed(tree)]
+    assert order == [("c", 0.0), ("a", 0.3), ("b", 0.7), ("d", 1.1)]
+
+
+def test_as_completed_yields_a_tasks_leaves_together_and_times_out():
+    tree = {
+        "one": aa.async_wrap(
+            after(0.1, {"x": [1.0], "y": [2.0]}), like={"x": sds((1,)), "y": sds((1,))}
+        ),
+        "late": aa.async_wrap(after(5, [0.0]), shape=(1,), dtype=F32),
+    }
+    it = aa.as_completed(tree, timeout=0.5)
+    assert [keystr(next(it)[0]), keystr(next(it)[0])] == ["['one']['x']", "['one']['y']"]
+    with pytest.raises(TimeoutError, match="1 leaves not done"):
+        next(it)
+
+
+# -- async_map ----------------------------------------------------------------
+
+
+def test_async_map_calls_fn_per_leaf_with_key_path_and_spec():
+    like = {"emb": sds((3, 2)), "layers": [{"w": sds((2, 2)), "b": sds((2,), np.int32)}] * 2}
+    calls = []
+    lock = threading.Lock()
+
+    def fetch(path, spec):
+        with lock:
+            calls.append(keystr(path))
+        return np.full(spec.shape, len(keystr(path)), spec.dtype)
+
+    tree = aa.async_map(fetch, like)
+    out = aa.materialize(tree)
+    assert sorted(calls) == sorted(
+        keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]
+    )
+    assert out["layers"][1]["b"].dtype == np.int32
+    assert int(out["layers"][1]["b"][0]) == len("['layers'][1]['b']")
+    assert out["emb"].shape == (3, 2)
+
+
+def test_async_map_leaves_are_ready_one_by_one_and_fail_alone():
+    gates = {k: threading.Event() for k in "abc"}
+
+    def fetch(path, spec):
+        key = path[0].key
+        assert gates[key].wait(10)
+        if key == "b":
+            raise ConnectionError(f"lost {key}")
+        return np.ones(spec.shape, spec.dtype)
+
+    tree = aa.async_map(fetch, {k: sds((1,)) for k in "abc"})
+    gates["a"].set()
+    assert tree["a"].result(timeout=5).tolist() == [1.0]
+    assert not tree["c"].done()
+    gates["b"].set()
+    gates["c"].set()
+    with pytest.raises(ConnectionError, match="lost b") as e:
+        tree["b"].result()
+    assert e.value.__notes__ == [
+        "async_array: raised in async_map(test_async_map_leaves_are_ready_one_by_one_and_fail_alone"
+        ".<locals>.fetch) leaf ['b']"
+    ]
+    assert tree["c"].result().tolist() == [1.0]
+
+
+def test_async_map_validates_each_leaf():
+    tree = aa.async_map(lambda p, s: np.ones((5,)), {"w": sds((2,))})
+    with pytest.raises(ValueError, match=r"leaf \['w'\]: expected shape \(2,\), got \(5,\)"):
+        tree["w"].result()
+    with pytest.raises(TypeError, match="fn must be callable"):
+        aa.async_map(None, {"w": sds((2,))})
+
+
+def test_async_map_ten_thousand_leaves():
+    like = [sds((4,), np.int32) for _ in range(10_000)]
+    out = aa.materialize(aa.async_map(lambda p, s: np.full(4, p[0].idx, np.int32), like))
+    assert [int(out[i][0]) for i in (0, 1, 5000, 9999)] == [0, 1, 5000, 9999]
+
+
+# -- async_stream ----------------------------------------------------------------
+
+
+def test_async_stream_leaves_ready_as_yielded():
+    like = {"a": sds((1,)), "b": sds((1,)), "c": sds((1,))}
+    step = threading.Semaphore(0)
+
+    def gen():
+        for key in ("b", "a", "c"):
+            assert step.acquire(timeout=10)
+            yield (jax.tree_util.DictKey(key),), np.array([ord(key)], F32)
+
+    tree = aa.async_stream(gen, like)
+    step.release()
+    assert tree["b"].result(timeout=5).tolist() == [ord("b")]
+    assert not tree["a"].done() and not tree["c"].done()
+    step.release()
+    step.release()
+    out = aa.materialize(tree)
+    assert [float(out[k][0]) for k in "abc"] == [ord(k) for k in "abc"]
+
+
+def test_async_stream_missing_duplicate_and_unknown_paths(caplog):
+    like = {"a": sds((1,)), "b": sds((1,)), "c": sds((1,))}
+
+    def gen():
+        yield "['a']", [1.0]
+        yield "['a']", [2.0]  # duplicate
+        yield "['zz']", [3.0]  # unknown
+        yield "['c']", [4.0]
+        # "b" never comes
+
+    with caplog.at_level(logging.ERROR, logger="async_array"):
+        tree = aa.async_stream(gen, like)
+        assert tree["a"].result().tolist() == [1.0]  # keeps the first value
+        assert tree["c"].result().tolist() == [4.0]
+        with pytest.raises(ValueError) as e:
+            tree["b"].result()
+    msg = str(e.value)
+    assert "leaf ['b']" in msg and "without yielding it" in msg and "['zz']" in msg
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name == "async_array")
+    assert "['a'] twice" in logged and "['zz']" in logged
+
+
+def test_async_stream_exception_fails_only_leaves_not_yet_yielded():
+    like = {"a": sds((1,)), "b": sds((1,))}
+
+    def gen():
+        yield "['a']", [1.0]
+        raise TimeoutError("stream cut")
+
+    tree = aa.async_stream(gen, like)
+    with pytest.raises(TimeoutError, match="stream cut") as e:
+        tree["b"].result()
+    assert any("['b']" in n for n in e.value.__notes__)
+    assert tree["a"].result().tolist() == [1.0]
