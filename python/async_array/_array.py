@@ -436,7 +436,7 @@ def _forward_property(name: str) -> property:
     )
 
 
-_ArrayImpl = type(jax.numpy.zeros(()))
+_ArrayImpl = _jax_hooks.array_type()
 
 # Dunders Python looks up on the type: each waits and defers to the result.
 _OPERATORS = [

@@ -104,6 +104,14 @@ def install(array_type: type, resolve_all: Callable[[Sequence[Any]], list[jax.Ar
     _shard_arg_handlers[array_type] = shard_arg
 
 
+def array_type() -> type:
+    """The concrete ``jax.Array`` class (``ArrayImpl``), without starting a
+    backend (making an array would, and would fix the platform at import)."""
+    if ERROR is None:
+        return _ArrayImpl
+    return type(jax.numpy.zeros(()))  # pragma: no cover - only without the hooks
+
+
 def shaped_array(shape: tuple[int, ...], dtype: np.dtype) -> Any:
     """The (never weakly typed) aval of a leaf."""
     if _ShapedArray is None:  # pragma: no cover
