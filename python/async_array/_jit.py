@@ -10,13 +10,11 @@ compilation is done. Public JAX API only:
 
 from __future__ import annotations
 
-import atexit
 import collections
 import functools
 import inspect
 import logging
 import threading
-import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +24,7 @@ import numpy as np
 
 from . import _core
 from ._array import AsyncArray, Source, _ArrayImpl, _shallow_copy
+from ._pool import exit_hooks, jax_work
 from ._wrap import qualname
 
 _Sharding = jax.sharding.Sharding
@@ -34,52 +33,25 @@ _keystr = jax.tree_util.keystr
 #: Compiled programs kept per ``aa.jit`` function (least recently used go first).
 CACHE_SIZE = 1024
 
-#: Seconds the interpreter's exit waits, at most, for compilations and runs
-#: still going on the pool (see :func:`_quiesce_at_exit`).
-EXIT_WAIT_S = 60.0
-
 _LOG = logging.getLogger("async_array")
 
-# Compile and run tasks submitted and not yet through the callbacks that follow
-# them (launching runs, completing outputs), and dispatches still waiting for
-# their inputs or compilation. Both are for the interpreter's exit only.
-_activity = threading.Condition()
-_active = 0
+# Dispatches still waiting for their inputs or compilation; at interpreter
+# exit they are cancelled (their arrays dropped on the main thread) and their
+# compiles and runs are counted in `jax_work`, so exit waits for those.
+_waiting_lock = threading.Lock()
 _waiting: set[_Call] = set()
 
 
-def _enter() -> None:
-    global _active
-    with _activity:
-        _active += 1
-
-
-def _leave() -> None:
-    global _active
-    with _activity:
-        _active -= 1
-        if not _active:
-            _activity.notify_all()
-
-
-@atexit.register
-def _quiesce_at_exit() -> None:
-    """At interpreter exit, JAX's own exit hook (registered earlier, so run
-    later) tears its backends down, and a pool thread still in JAX (compiling,
-    dispatching, even freeing an array) then aborts the process. So exit
-    cancels the dispatches still waiting for inputs, dropping their arrays
-    here, and waits for compilations and runs under way: they always end.
-    """
-    with _activity:
+def _cancel_waiting_at_exit() -> None:
+    with _waiting_lock:
         calls = list(_waiting)
         _waiting.clear()
     for call in calls:
         call.leaves = None
         call.out.cancel()
-    deadline = time.monotonic() + EXIT_WAIT_S
-    with _activity:
-        while _active and (left := deadline - time.monotonic()) > 0:
-            _activity.wait(left)
+
+
+exit_hooks.append(_cancel_waiting_at_exit)
 
 
 def _index_tuple(value: Any) -> tuple[int, ...]:
@@ -226,11 +198,11 @@ class _Entry:
     def start_compile(self, traced: Any) -> None:
         """Compiles ``traced`` on the pool. The compile future's one callback
         runs every waiter, so they all run inside the task's activity."""
-        _enter()
+        jax_work.enter()
         try:
             self.compiled = _core.submit(_compile, traced)
         except BaseException:
-            _leave()
+            jax_work.leave()
             raise
         self.compiled.add_done_callback(self._compiled)
 
@@ -263,7 +235,7 @@ class _Entry:
                 except Exception:  # pragma: no cover - a bug here; keep the others going
                     _LOG.exception("async_array: %s: exception in a dispatch callback", self.name)
         finally:
-            _leave()  # nothing of the waiters (their inputs) is left to free after this
+            jax_work.leave()  # nothing of the waiters (their inputs) is left to free after this
 
 
 class _Call:
@@ -309,17 +281,17 @@ def _when_all_done(
 
 def _launch(call: _Call) -> None:
     """Submits the run of ``call`` (inputs and compilation are done)."""
-    with _activity:
+    with _waiting_lock:
         _waiting.discard(call)
     out = call.out
     if out.done():  # cancelled by the caller, or at exit: nothing to run
         call.leaves = None
         return
-    _enter()
+    jax_work.enter()
     try:
         task = _core.submit(_execute, call)
     except BaseException as exc:  # the pool is shut down
-        _leave()
+        jax_work.leave()
         call.leaves = None
         out.set_exception(exc)
         return
@@ -330,7 +302,7 @@ def _task_ended(holder: list[_core.Future], task: _core.Future) -> None:
     # _execute completes the output future itself; this covers a task
     # cancelled at interpreter exit, so that no output waits forever. The
     # output (and the arrays it holds) comes in a list emptied here, so that
-    # it is never freed after _leave(), when the interpreter may be exiting.
+    # it is never freed after jax_work.leave(), when the interpreter may be exiting.
     out = holder.pop()
     try:
         if out.done():
@@ -342,7 +314,7 @@ def _task_ended(holder: list[_core.Future], task: _core.Future) -> None:
         out.set_exception(exc if exc is not None else RuntimeError("aa.jit: task ended early"))
     finally:
         del out
-        _leave()
+        jax_work.leave()
 
 
 def _execute(call: _Call) -> None:
@@ -648,7 +620,7 @@ class JitFunction:
                     subscribes.append(src.future.add_done_callback)
         call = _Call(entry, leaves, out)
         if subscribes:
-            with _activity:
+            with _waiting_lock:
                 _waiting.add(call)
             _when_all_done(subscribes, functools.partial(_launch, call))
         else:

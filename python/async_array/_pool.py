@@ -6,6 +6,7 @@ import atexit
 import operator
 import os
 import time
+from collections.abc import Callable
 
 import jax  # noqa: F401  (imported first: its exit hook must run after ours)
 
@@ -65,11 +66,13 @@ class JaxWork:
     """Counts pool work that is inside JAX (a hand-off, a compile, a run).
 
     At interpreter exit, JAX's own exit hook tears down its backends; a thread
-    still inside XLA then crashes the process. So exit waits for this count to
-    reach zero (at most :data:`EXIT_GRACE` seconds), and refuses new JAX work.
-    The tasks' own functions are not waited for.
+    still inside XLA then crashes the process. So exit runs :data:`exit_hooks`,
+    then waits for this count to reach zero (at most :data:`EXIT_GRACE`
+    seconds), and refuses new JAX work. The tasks' own functions are not
+    waited for.
 
-    Use as ``with jax_work: ...`` around the JAX part of a pool task.
+    Use ``with jax_work: ...`` around the JAX part of a pool task, or
+    ``enter()`` and ``leave()`` where the work spans callbacks.
     """
 
     __slots__ = ("_active", "_exiting")
@@ -79,12 +82,23 @@ class JaxWork:
         self._active: list[None] = []
         self._exiting = False
 
-    def __enter__(self) -> None:
+    def enter(self) -> None:
+        """Counts one more piece of work.
+
+        Raises:
+          RuntimeError: the interpreter is exiting.
+        """
         # Count first, then look: drain() sets the flag first, then looks.
         self._active.append(None)
         if self._exiting:
             self._active.pop()
             raise RuntimeError("async_array: the interpreter is exiting; no new work goes to JAX")
+
+    def leave(self) -> None:
+        self._active.pop()
+
+    def __enter__(self) -> None:
+        self.enter()
 
     def __exit__(self, *exc: object) -> None:
         self._active.pop()
@@ -103,9 +117,15 @@ EXIT_GRACE = 30.0
 
 jax_work = JaxWork()
 
+#: Called at interpreter exit, after queued tasks are cancelled and before
+#: waiting for work inside JAX (``aa.jit`` drops dispatches still waiting here).
+exit_hooks: list[Callable[[], None]] = []
+
 
 def _at_exit() -> None:
     _core.shutdown()  # queued tasks are cancelled; running ones are not waited for
+    for hook in exit_hooks:
+        hook()
     jax_work.drain(EXIT_GRACE)
 
 
