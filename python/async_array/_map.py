@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 from . import _core
-from ._array import AsyncArray, Source, paused_gc
+from ._array import AsyncArray, Source, _shallow_copy, paused_gc
 from ._pool import jax_work
 from ._wrap import LeafSpecs, convert_one, declare, qualname
 
@@ -115,7 +115,8 @@ def _drive_stream(
     except BaseException as exc:
         traceback.clear_frames(exc.__traceback__)
         for fut in futures:
-            fut.set_exception(exc)  # only leaves not yet yielded take it
+            if not fut.done():  # only leaves not yet yielded take it, each its own copy
+                fut.set_exception(_shallow_copy(exc))
         return
     hint = f"; it yielded unknown key paths {', '.join(unknown[:5])}" if unknown else ""
     for i, fut in enumerate(futures):
@@ -178,4 +179,5 @@ def _fail_all_if_failed(driver: _core.Future, futures: list[_core.Future]) -> No
             fut.cancel()
     elif exc is not None:
         for fut in futures:
-            fut.set_exception(exc)
+            if not fut.done():
+                fut.set_exception(_shallow_copy(exc))
