@@ -20,6 +20,12 @@ def sds(shape=(2,), dtype=F32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+@pytest.fixture(autouse=True)
+def roomy_pool(pool_size):
+    """Timing tests here need their loaders to run at once, whatever earlier tests left running."""
+    pool_size(16)
+
+
 def after(seconds, value):
     def f():
         time.sleep(seconds)
@@ -43,7 +49,7 @@ def test_materialize_returns_jax_arrays_and_passes_other_leaves():
 
 
 def test_materialize_times_out_and_raises_the_first_failure():
-    slow = aa.async_wrap(after(5, [1.0]), shape=(1,), dtype=F32)
+    slow = aa.async_wrap(after(2, [1.0]), shape=(1,), dtype=F32)
     t = time.perf_counter()
     with pytest.raises(TimeoutError, match=r"1 leaves not ready after 0\.2 s"):
         aa.materialize({"slow": slow, "fast": np.ones(1)}, timeout=0.2)
@@ -145,11 +151,29 @@ def test_wait_timeout_is_not_an_error():
 
 
 def test_as_completed_follows_completion_order():
-    delays = {"d": 1.1, "a": 0.3, "c": 0.0, "b": 0.7}
-    tree = {k: aa.async_wrap(after(s, [s]), shape=(1,), dtype=F32) for k, s in delays.items()}
-    time.sleep(0.1)  # "c" is done before iteration starts
-    order = [(path[0].key, round(float(v[0]), 2)) for path, v in aa.as_completed(tree)]
-    assert order == [("c", 0.0), ("a", 0.3), ("b", 0.7), ("d", 1.1)]
+    order = ["c", "a", "b", "d"]
+    gates = {k: threading.Event() for k in order}
+
+    def loader(key):
+        def f():
+            assert gates[key].wait(10)
+            return [float(order.index(key))]
+
+        return f
+
+    tree = {k: aa.async_wrap(loader(k), shape=(1,), dtype=F32) for k in "dabc"}
+    gates["c"].set()
+    tree["c"].result(timeout=10)  # "c" is done before iteration starts
+
+    def release_in_order():
+        for key in order[1:]:
+            time.sleep(0.05)
+            gates[key].set()
+            tree[key].exception(timeout=10)  # done before the next one starts
+
+    threading.Thread(target=release_in_order).start()
+    got = [(path[0].key, float(v[0])) for path, v in aa.as_completed(tree, timeout=20)]
+    assert got == [("c", 0.0), ("a", 1.0), ("b", 2.0), ("d", 3.0)]
 
 
 def test_as_completed_yields_a_tasks_leaves_together_and_times_out():

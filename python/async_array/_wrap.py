@@ -170,10 +170,15 @@ def declare(
     shardings = _broadcast_shardings(sharding, like, n, name)
     avals = []
     specs = LeafSpecs(name, avals, [None] * n, like, treedef)
+    # Big trees repeat a few shapes and shardings: validate each pair once.
+    seen_avals: dict[tuple[Any, Any], Any] = {}
+    fits: set[tuple[int, tuple[int, ...]]] = set()
     for i, leaf in enumerate(leaves):
         try:
-            dims = _shape(leaf.shape, "")
-            dt = _dtype(leaf.dtype, "")
+            key = (leaf.shape, leaf.dtype)
+            aval = seen_avals.get(key)
+            if aval is None:
+                aval = seen_avals[key] = _aval(_shape(leaf.shape, ""), _dtype(leaf.dtype, ""))
         except AttributeError:
             raise TypeError(
                 f"{specs.where(i)}: a like leaf needs .shape and .dtype "
@@ -181,15 +186,16 @@ def declare(
             ) from None
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{specs.where(i)}{exc}") from None
-        avals.append(_aval(dims, dt))
+        avals.append(aval)
         s = shardings[i]
         if s is None:
             own = getattr(leaf, "sharding", None)
             # A like leaf's own sharding, unless it is an uncommitted jax.Array.
             if isinstance(own, _Sharding) and getattr(leaf, "committed", True):
                 s = own
-        if s is not None:
-            _check_sharding(s, dims, specs.where(i))
+        if s is not None and (id(s), aval.shape) not in fits:
+            _check_sharding(s, aval.shape, specs.where(i))
+            fits.add((id(s), aval.shape))
         shardings[i] = s
     specs.committed = [s is not None for s in shardings]
     specs.shardings = [default_sharding() if s is None else s for s in shardings]
