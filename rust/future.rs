@@ -8,7 +8,7 @@
 use crate::locks::{lock, wait_once};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::Instant;
 
 /// How a future finished.
@@ -56,6 +56,18 @@ pub struct Future<T, E> {
     shared: Arc<Shared<T, E>>,
 }
 
+/// A handle that does not keep the future (or its value) alive.
+pub struct WeakFuture<T, E> {
+    shared: Weak<Shared<T, E>>,
+}
+
+impl<T, E> WeakFuture<T, E> {
+    /// The future, if any strong handle to it still exists.
+    pub fn upgrade(&self) -> Option<Future<T, E>> {
+        self.shared.upgrade().map(|shared| Future { shared })
+    }
+}
+
 impl<T, E> Clone for Future<T, E> {
     fn clone(&self) -> Self {
         Future {
@@ -82,6 +94,14 @@ impl<T, E> Future<T, E> {
                 }),
                 cond: Condvar::new(),
             }),
+        }
+    }
+
+    /// A handle that lets the future be freed: dropping it never drops the
+    /// value (which may hold Python objects whose destructors need the GIL).
+    pub fn downgrade(&self) -> WeakFuture<T, E> {
+        WeakFuture {
+            shared: Arc::downgrade(&self.shared),
         }
     }
 
@@ -318,6 +338,16 @@ mod tests {
             "a second completion is refused"
         );
         assert!(matches!(f.outcome(), Some(Outcome::Value(42))));
+    }
+
+    #[test]
+    fn a_weak_handle_does_not_keep_the_value() {
+        let f = F::new();
+        let weak = f.downgrade();
+        assert!(weak.upgrade().is_some_and(|g| g.same_as(&f)));
+        f.complete(Outcome::Value(1));
+        drop(f);
+        assert!(weak.upgrade().is_none());
     }
 
     #[test]

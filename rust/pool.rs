@@ -23,7 +23,9 @@ pub trait Job: Send + 'static {
     }
 }
 
-/// Fails the future of a job whose thread no longer exists.
+/// Fails the future of a job whose thread no longer exists. The pool drops
+/// these under its lock, so they must not own anything whose drop runs
+/// foreign code (hold the future weakly).
 pub trait Abandon: Send + Sync {
     fn abandon(&self);
 }

@@ -217,12 +217,15 @@ fn log_callback_error(py: Python<'_>, func: &Py<PyAny>, err: PyErr) {
 }
 
 /// Fails a future whose worker vanished (the fork child has no such thread).
-struct AbandonFuture(CoreFuture);
+/// Weak: the pool keeps these for running jobs and drops them under its lock,
+/// where freeing a future's value (Python objects) could deadlock on the GIL.
+struct AbandonFuture(future::WeakFuture<Py<PyAny>, TaskError>);
 
 impl Abandon for AbandonFuture {
     fn abandon(&self) {
-        self.0
-            .complete(Outcome::Error(TaskError::Core(Error::Abandoned)));
+        if let Some(future) = self.0.upgrade() {
+            future.complete(Outcome::Error(TaskError::Core(Error::Abandoned)));
+        }
     }
 }
 
@@ -307,7 +310,7 @@ impl Job for PyTask {
     }
 
     fn abandon_handle(&self) -> Option<Arc<dyn Abandon>> {
-        Some(Arc::new(AbandonFuture(self.future.clone())))
+        Some(Arc::new(AbandonFuture(self.future.downgrade())))
     }
 }
 

@@ -483,6 +483,25 @@ print("parent ok", flush=True)
 """
 
 
+def test_results_dropped_at_once_never_deadlock_the_pool():
+    # A finished task's value (jax.Arrays, whose destructor releases the GIL)
+    # was once freed under the pool's lock while the main thread, holding the
+    # GIL, waited for that lock to submit more: a deadlock within ~1,000 calls.
+    proc = run_script(
+        """
+        import numpy as np, async_array as aa
+        one = np.ones(16, np.float32)
+        for i in range(20_000):
+            aa.async_wrap(lambda: one, shape=(16,), dtype=np.float32)  # dropped at once
+        last = aa.async_wrap(lambda: one * 3, shape=(16,), dtype=np.float32)
+        print("sum", float(last.result().sum()))
+        """,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["sum", "48.0"]
+
+
 def test_fork_child_can_submit_and_wait():
     proc = run_script(FORK_SCRIPT, timeout=100)
     assert proc.returncode == 0, proc.stderr
