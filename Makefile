@@ -1,6 +1,8 @@
-# Two entry points for a fresh machine (Rust toolchain, CPython 3.11, pip):
+# Entry points for a fresh machine (Rust toolchain, CPython 3.11, pip):
 #   make demo   runs the main job
 #   make test   runs every test (cargo and pytest)
+#   make bench  runs a short version of every benchmark and prints one table
+#               (about 4 minutes here; BENCH_ARGS=--full for more rounds)
 # Each creates .venv and installs what it needs by itself.
 
 PYTHON ?= python3
@@ -44,5 +46,7 @@ test-python: install
 
 test: lint test-rust test-python
 
+BENCH_ARGS ?=
+
 bench: install
-	$(CARGO_ENV) $(PY) benches/run_all.py
+	$(CARGO_ENV) $(PY) benches/run_all.py $(BENCH_ARGS)
