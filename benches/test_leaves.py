@@ -6,7 +6,6 @@ on the same ready numpy arrays, every way ending in ready ``jax.Array``s.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 
 import jax
@@ -42,17 +41,7 @@ def test_single_leaf(benchmark, executor, way):
         run = lambda: aa.async_wrap(load_one, shape=(16,), dtype=np.float32).result()  # noqa: E731
     else:
         run = lambda: jax.device_put(executor.submit(load_one).result())  # noqa: E731
-    # Each result lives until two calls later, so that the last reference to a
-    # task's future is never the pool's: dropping it there can deadlock the
-    # pool today (see the report of issue 8). Both ways alike.
-    recent = collections.deque(maxlen=2)
-
-    def one_call():
-        out = run().block_until_ready()
-        recent.append(out)
-        return out
-
-    out = benchmark(one_call)
+    out = benchmark(lambda: run().block_until_ready())
     np.testing.assert_array_equal(out, ONE)
 
 
