@@ -35,17 +35,19 @@ class Source:
       future: the ``_core.Future`` of the task.
       name: how messages name the call, e.g. ``"async_wrap(load_weights)"``.
       leaf_count: number of leaves.
-      key_path: ``key_path(i)`` is leaf ``i``'s key path as text; called only
-        to build a message.
+      key_path: ``key_path(offset + i)`` is leaf ``i``'s key path as text;
+        called only to build a message. One callable can serve the sources of
+        a whole tree (one source a leaf, each with its own ``offset``).
+      offset: added to a leaf's index to look up its key path.
     """
 
     __slots__ = (
-        "__weakref__",
         "future",
         "key_path",
         "leaf_count",
         "leaf_errors",
         "name",
+        "offset",
         "retrieved",
     )
 
@@ -55,18 +57,18 @@ class Source:
         name: str,
         leaf_count: int,
         key_path: Callable[[int], str],
+        offset: int = 0,
     ) -> None:
         self.future = future
         self.name = name
         self.leaf_count = leaf_count
         self.key_path = key_path
+        self.offset = offset
         self.retrieved = False
-        self.leaf_errors: (
-            dict[int, tuple[BaseException, TracebackType | None, list[str]]] | None
-        ) = None
+        self.leaf_errors: dict[int, _LeafError] | None = None
 
     def where(self, index: int) -> str:
-        path = self.key_path(index)
+        path = self.key_path(self.offset + index)
         return f"{self.name} leaf {path}" if path else f"{self.name} result"
 
     def error(self, index: int) -> tuple[BaseException, TracebackType | None] | None:

@@ -25,8 +25,33 @@ def _specs_and_paths(name: str, like: Any, sharding: Any) -> tuple[LeafSpecs, li
     return specs, [p for p, _ in flat], [leaf for _, leaf in flat]
 
 
-def _leaf_path(path: Any) -> Callable[[int], str]:
-    return lambda _: _keystr(path)
+class _KeyPaths:
+    """Key paths as text, by leaf index: one per tree, shared by its leaves'
+    sources (a closure per leaf would cost 200 bytes a pending leaf)."""
+
+    __slots__ = ("paths",)
+
+    def __init__(self, paths: list[Any]) -> None:
+        self.paths = paths
+
+    def __call__(self, index: int) -> str:
+        return _keystr(self.paths[index])
+
+
+def _one_source_a_leaf(
+    specs: LeafSpecs, futures: list[_core.Future], paths: list[Any]
+) -> list[AsyncArray]:
+    key_paths = _KeyPaths(paths)
+    name, avals, shardings, committed = specs.name, specs.avals, specs.shardings, specs.committed
+    return [
+        AsyncArray(
+            Source(future, name, 1, key_paths, i),
+            0,
+            avals[i],
+            shardings[i] if committed[i] else None,
+        )
+        for i, future in enumerate(futures)
+    ]
 
 
 def _run_leaf(fn: Callable[[Any, Any], Any], path: Any, spec: Any, specs: LeafSpecs, i: int):
@@ -74,16 +99,7 @@ def _async_map(fn: Callable[[Any, Any], Any], like: Any, sharding: Any) -> Any:
         for i, (path, spec) in enumerate(zip(paths, specs_in, strict=True))
     ]
     futures = _core.submit_many(_run_leaf, args)
-    name, avals, shardings, committed = specs.name, specs.avals, specs.shardings, specs.committed
-    leaves = [
-        AsyncArray(
-            Source(future, name, 1, _leaf_path(path)),
-            0,
-            avals[i],
-            shardings[i] if committed[i] else None,
-        )
-        for i, (future, path) in enumerate(zip(futures, paths, strict=True))
-    ]
+    leaves = _one_source_a_leaf(specs, futures, paths)
     return specs.treedef.unflatten(leaves)
 
 
@@ -157,15 +173,7 @@ def async_stream(
 def _async_stream(gen_fn: Callable[[], Iterable[tuple[Any, Any]]], like: Any, sharding: Any) -> Any:
     specs, paths, _ = _specs_and_paths(f"async_stream({qualname(gen_fn)})", like, sharding)
     futures = [_core.Future() for _ in paths]
-    leaves = [
-        AsyncArray(
-            Source(fut, specs.name, 1, _leaf_path(path)),
-            0,
-            specs.avals[i],
-            specs.shardings[i] if specs.committed[i] else None,
-        )
-        for i, (fut, path) in enumerate(zip(futures, paths, strict=True))
-    ]
+    leaves = _one_source_a_leaf(specs, futures, paths)
     driver = _core.submit(_drive_stream, gen_fn, specs, paths, futures)
     # The driver itself only fails on a bug here; then no leaf may hang.
     driver.add_done_callback(lambda d: _fail_all_if_failed(d, futures))
