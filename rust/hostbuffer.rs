@@ -214,9 +214,13 @@ impl HostBuffer {
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let dtype = self.dtype.bind(py).str()?;
         let state = if self.exported() { ", exported" } else { "" };
+        let dims: Vec<String> = self.shape.iter().map(|d| d.to_string()).collect();
+        let shape = match dims.len() {
+            1 => format!("({},)", dims[0]),
+            _ => format!("({})", dims.join(", ")),
+        };
         Ok(format!(
-            "HostBuffer(shape={:?}, dtype={dtype}, nbytes={}{state})",
-            self.shape,
+            "HostBuffer(shape={shape}, dtype={dtype}, nbytes={}{state})",
             self.nbytes()
         ))
     }

@@ -199,7 +199,9 @@ fn log_callback_error(py: Python<'_>, func: &Py<PyAny>, err: PyErr) {
         })
         .and_then(|logger| {
             let kwargs = PyDict::new(py);
-            kwargs.set_item("exc_info", err.value(py))?;
+            // (type, value, traceback): the log shows where the callback raised.
+            let exc_info = (err.get_type(py), err.value(py), err.traceback(py));
+            kwargs.set_item("exc_info", exc_info)?;
             let args = PyTuple::new(
                 py,
                 [

@@ -157,7 +157,11 @@ def test_done_callbacks_get_the_leaf(caplog):
     x.add_done_callback(lambda leaf: late.append(leaf is x))  # already done: runs here
     assert seen == [3.0] and late == [True]
     time.sleep(0.1)
-    assert any("callback" in r.getMessage() for r in caplog.records if r.name == "async_array")
+    logged = [r for r in caplog.records if r.name == "async_array"]
+    assert len(logged) == 1
+    # Names the callback itself, with the traceback of where it raised.
+    assert "bad" in logged[0].getMessage() and logged[0].exc_info[0] is RuntimeError
+    assert logged[0].exc_info[2] is not None
 
 
 def test_await_in_asyncio():

@@ -51,7 +51,10 @@ def test_materialize_returns_jax_arrays_and_passes_other_leaves():
 def test_materialize_times_out_and_raises_the_first_failure():
     slow = aa.async_wrap(after(2, [1.0]), shape=(1,), dtype=F32)
     t = time.perf_counter()
-    with pytest.raises(TimeoutError, match=r"1 leaves not ready after 0\.2 s"):
+    with pytest.raises(
+        TimeoutError,
+        match=r"aa.materialize: 1 leaf not ready after 0\.2 s \(the first: async_wrap\(.*\)",
+    ):
         aa.materialize({"slow": slow, "fast": np.ones(1)}, timeout=0.2)
     assert time.perf_counter() - t < 2
 
@@ -185,7 +188,7 @@ def test_as_completed_yields_a_tasks_leaves_together_and_times_out():
     }
     it = aa.as_completed(tree, timeout=0.5)
     assert [keystr(next(it)[0]), keystr(next(it)[0])] == ["['one']['x']", "['one']['y']"]
-    with pytest.raises(TimeoutError, match="1 leaves not done"):
+    with pytest.raises(TimeoutError, match=r"aa.as_completed: 1 leaf not ready .* result\)"):
         next(it)
 
 
@@ -293,6 +296,20 @@ def test_async_stream_missing_duplicate_and_unknown_paths(caplog):
     assert "leaf ['b']" in msg and "without yielding it" in msg and "['zz']" in msg
     logged = " ".join(r.getMessage() for r in caplog.records if r.name == "async_array")
     assert "['a'] twice" in logged and "['zz']" in logged
+
+
+@pytest.mark.parametrize(
+    ("gen_fn", "match"),
+    [
+        (lambda: 3, r"gen_fn\(\) must return an iterable of \(key_path, value\) pairs, got int"),
+        (lambda: iter([np.ones(1)]), r"must yield \(key_path, value\) pairs, got ndarray"),
+    ],
+    ids=["not_iterable", "not_pairs"],
+)
+def test_async_stream_misuse_says_what_it_needs(gen_fn, match):
+    tree = aa.async_stream(gen_fn, {"a": sds((1,))})
+    with pytest.raises(TypeError, match=match):
+        tree["a"].result(timeout=10)
 
 
 def test_async_stream_exception_fails_only_leaves_not_yet_yielded():

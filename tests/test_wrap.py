@@ -347,7 +347,24 @@ def test_like_tree_with_a_different_key_names_the_path():
         with pytest.raises(ValueError) as e:
             leaf.result()
         msg = str(e.value)
-        assert "['dense']['bias']" in msg and "['dense']['b']" in msg
+        assert msg.endswith("at ['dense']: missing keys 'bias'; unexpected keys 'b'")
+
+
+@pytest.mark.parametrize(
+    ("out", "where"),
+    [
+        ({"layers": ({"w": [1.0, 2.0]},) * 3}, "at ['layers']: expected list, got tuple"),
+        (np.ones(2, F32), "at the root: expected dict, got ndarray"),
+        ({"layers": [{"w": [1.0, 2.0]}]}, "at ['layers']: expected 3 items, got 1"),
+    ],
+    ids=["list_vs_tuple", "bare_array", "length"],
+)
+def test_structure_errors_say_where_and_stay_short(out, where):
+    like = {"layers": [{"w": sds((2,))} for _ in range(3)]}
+    tree = aa.async_wrap(lambda: out, like=like)
+    exc = tree["layers"][0]["w"].exception(timeout=10)
+    assert isinstance(exc, ValueError)
+    assert str(exc).endswith(where) and len(str(exc)) < 200, str(exc)
 
 
 def test_a_bad_leaf_fails_alone_and_names_its_path():
@@ -487,6 +504,26 @@ def test_unretrieved_exception_is_logged_when_leaves_are_collected(caplog):
     assert len(records) == 1
     assert "was ever retrieved" in records[0].getMessage()
     assert records[0].exc_info[0] is LoadError
+
+
+def test_exception_of_leaves_dropped_while_running_is_logged_when_it_comes(caplog):
+    gate = threading.Event()
+
+    def f():
+        assert gate.wait(10)
+        raise LoadError("after the leaves were gone")
+
+    x = aa.async_wrap(f, shape=(1,), dtype=F32)
+    with caplog.at_level(logging.ERROR, logger="async_array"):
+        del x
+        gc.collect()
+        gate.set()
+        deadline = time.monotonic() + 10
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.01)
+    records = [r for r in caplog.records if r.name == "async_array"]
+    assert len(records) == 1 and records[0].exc_info[0] is LoadError
+    assert "async_wrap(test_exception_of_leaves_dropped" in records[0].getMessage()
 
 
 @pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])

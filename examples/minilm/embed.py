@@ -130,10 +130,26 @@ def _arrival_clock(tree: Any) -> Callable[[], float]:
     return last
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of MB/s, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more milliseconds, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bandwidth", type=float, default=100.0, help="MB/s (default 100)")
-    parser.add_argument("--latency", type=float, default=20.0, help="ms a request (default 20)")
+    parser.add_argument("--bandwidth", type=_positive, default=100.0, help="MB/s (default 100)")
+    parser.add_argument(
+        "--latency", type=_non_negative, default=20.0, help="ms a request (default 20)"
+    )
     parser.add_argument("sentences", nargs="+", metavar="SENTENCE")
     args = parser.parse_args(argv)
 

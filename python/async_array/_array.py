@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import functools
 import gc
 import inspect
 import logging
@@ -125,26 +126,33 @@ class Source:
         return fut.result(0)[index]
 
     def __del__(self) -> None:
-        # As asyncio does: an exception nobody retrieved is logged, not lost.
+        # As asyncio does: an exception nobody retrieved is logged, not lost;
+        # if the task still runs, once it ends.
         try:
-            if self.retrieved:
-                return
-            fut = self.future
-            values = fut.peek()
-            if values is not None:
-                exc = next((v for v in values if isinstance(v, BaseException)), None)
-            elif not fut.done() or fut.cancelled():
-                return
-            else:
-                exc = fut.exception(0)
-            if exc is not None:
-                _LOG.error(
-                    "async_array: %s failed and no leaf's exception was ever retrieved",
-                    self.name,
-                    exc_info=exc,
-                )
+            if not self.retrieved:
+                if self.future.done():
+                    _log_unretrieved(self.name, self.future)
+                else:
+                    self.future.add_done_callback(functools.partial(_log_unretrieved, self.name))
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+
+def _log_unretrieved(name: str, fut: _core.Future) -> None:
+    """Logs the exception of a finished task whose leaves are all gone."""
+    values = fut.peek()
+    if values is not None:
+        exc = next((v for v in values if isinstance(v, BaseException)), None)
+    elif fut.cancelled():
+        return
+    else:
+        exc = fut.exception(0)
+    if exc is not None:
+        _LOG.error(
+            "async_array: %s failed and no leaf's exception was ever retrieved",
+            name,
+            exc_info=exc,
+        )
 
 
 def _shallow_copy(exc: BaseException) -> BaseException:
@@ -360,12 +368,9 @@ class AsyncArray(jax.Array):
         ``async_array`` logger."""
         source = self._source
         if source is None:
-            try:
-                fn(self)
-            except Exception:
-                _LOG.exception("async_array: exception in done-callback %r", fn)
-            return
-        source.future.add_done_callback(lambda _: fn(self))
+            _call_back(fn, self)
+        else:
+            source.future.add_done_callback(functools.partial(_call_back, fn, self))
 
     def block_until_ready(self) -> AsyncArray:
         """Waits for the value (and for JAX to finish computing it); returns self."""
@@ -415,6 +420,15 @@ class AsyncArray(jax.Array):
 
     def __reduce__(self) -> Any:
         return self.result().__reduce__()
+
+
+def _call_back(fn: Callable[[AsyncArray], Any], leaf: AsyncArray, *_: Any) -> None:
+    """Runs a done-callback; what it raises is logged with its traceback,
+    naming the callback (as ``concurrent.futures`` does)."""
+    try:
+        fn(leaf)
+    except Exception:
+        _LOG.exception("async_array: exception in done-callback %r of %r", fn, leaf)
 
 
 def _set_done(waiter: asyncio.Future) -> None:
@@ -472,7 +486,17 @@ for _name in dir(_ArrayImpl):
         setattr(AsyncArray, _name, _forward_property(_name))
 
 
-def resolve_all(leaves: Sequence[Any], timeout: float | None = None) -> list[Any]:
+def not_ready(caller: str, leaves: Sequence[AsyncArray], timeout: float | None) -> TimeoutError:
+    """A TimeoutError naming how many of ``leaves`` are pending, and the first."""
+    pending = [leaf for leaf in leaves if not leaf.done()]
+    first = pending[0]._source.where(pending[0]._index) if pending else "none"
+    count = f"{len(pending)} leaf" if len(pending) == 1 else f"{len(pending)} leaves"
+    return TimeoutError(f"{caller}: {count} not ready after {timeout} s (the first: {first})")
+
+
+def resolve_all(
+    leaves: Sequence[Any], timeout: float | None = None, caller: str = "jax.jit dispatch"
+) -> list[Any]:
     """The value of every leaf, after one GIL-free wait for all pending tasks.
 
     ``AsyncArray`` leaves become ``jax.Array``; others pass through.
@@ -491,8 +515,7 @@ def resolve_all(leaves: Sequence[Any], timeout: float | None = None) -> list[Any
                     if id(fut) not in pending and not fut.done():
                         pending[id(fut)] = fut
         if pending and not _core.wait_all(list(pending.values()), timeout):
-            left = sum(1 for leaf in leaves if type(leaf) is AsyncArray and not leaf.done())
-            raise TimeoutError(f"async_array: {left} leaves not ready after {timeout} s")
+            raise not_ready(caller, [leaf for leaf in leaves if type(leaf) is AsyncArray], timeout)
         return [leaf.result() if type(leaf) is AsyncArray else leaf for leaf in leaves]
 
 

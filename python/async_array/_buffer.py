@@ -70,8 +70,8 @@ def empty(shape: int | tuple[int, ...], dtype: Any) -> HostBuffer:
         raise TypeError(f"aa.empty: unknown dtype {dtype!r}") from exc
     try:
         return HostBuffer(dims, dt)
-    except TypeError as exc:
-        raise TypeError(f"aa.empty: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"aa.empty: {exc}") from None
 
 
 def aligned_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

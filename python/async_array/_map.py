@@ -112,7 +112,20 @@ def _drive_stream(
     index = {_keystr(p): i for i, p in enumerate(paths)}
     unknown: list[str] = []
     try:
-        for key_path, value in gen_fn():
+        items = gen_fn()
+        if not isinstance(items, Iterable):
+            raise TypeError(
+                f"{specs.name}: gen_fn() must return an iterable of (key_path, value) "
+                f"pairs, got {type(items).__name__}"
+            )
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise TypeError(
+                    f"{specs.name}: the generator must yield (key_path, value) pairs, "
+                    f"got {type(item).__name__}"
+                )
+            key_path, value = item
+            del item
             text = key_path if isinstance(key_path, str) else _keystr(key_path)
             i = index.get(text)
             if i is None:
@@ -134,7 +147,12 @@ def _drive_stream(
             if not fut.done():  # only leaves not yet yielded take it, each its own copy
                 fut.set_exception(_shallow_copy(exc))
         return
-    hint = f"; it yielded unknown key paths {', '.join(unknown[:5])}" if unknown else ""
+    hint = (
+        f"; it yielded unknown key paths {', '.join(unknown[:5])} (key paths are "
+        f"jax.tree_util key paths or their keystr text, e.g. {_keystr(paths[0])})"
+        if unknown and paths
+        else ""
+    )
     for i, fut in enumerate(futures):
         if not fut.done():
             fut.set_result(

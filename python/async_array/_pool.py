@@ -47,6 +47,8 @@ def configure(max_workers: int | None = None) -> None:
         n = default_max_workers()
     else:
         try:
+            if isinstance(max_workers, bool):
+                raise TypeError
             n = operator.index(max_workers)
         except TypeError:
             raise TypeError(

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import jax
 
 from . import _core
-from ._array import AsyncArray, paused_gc, resolve_all
+from ._array import AsyncArray, not_ready, paused_gc, resolve_all
 
 FIRST_COMPLETED = "FIRST_COMPLETED"
 FIRST_EXCEPTION = "FIRST_EXCEPTION"
@@ -42,7 +42,7 @@ def materialize(tree: Any, timeout: float | None = None) -> Any:
       Array([1., 1.], dtype=float32)
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    values = resolve_all(leaves, timeout)
+    values = resolve_all(leaves, timeout, "aa.materialize")
     with paused_gc():
         return treedef.unflatten(values)
 
@@ -167,10 +167,7 @@ def as_completed(tree: Any, timeout: float | None = None) -> Iterator[tuple[Any,
     for _ in p.futures:
         k = watcher.next(_remaining(deadline))
         if k is None:
-            pending = sum(
-                len(p.leaves[j]) for j in range(len(p.futures)) if not p.futures[j].done()
-            )
-            raise TimeoutError(f"aa.as_completed: {pending} leaves not done after {timeout} s")
+            raise not_ready("aa.as_completed", [leaf for _, leaf in p.paths], timeout)
         for i in p.leaves[k]:
             path, leaf = p.paths[i]
             yield path, leaf.result()

@@ -341,21 +341,52 @@ def _place_jax_array(
     return _jax_hooks.put_array(value, aval, sharding, committed)
 
 
+def _mismatch(like: Any, out: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] | None:
+    """The first place where ``out``'s structure leaves ``like``'s, and how;
+    None when none is found (a custom pytree node, say). Anything may stand
+    where ``like`` has a leaf."""
+    tu = jax.tree_util
+    if like is not None and tu.treedef_is_leaf(tu.tree_structure(like)):
+        return None
+    if type(out) is not type(like):
+        return path, f"expected {type(like).__name__}, got {type(out).__name__}"
+    if isinstance(like, dict):
+        missing = sorted(map(repr, like.keys() - out.keys()))
+        extra = sorted(map(repr, out.keys() - like.keys()))
+        if missing or extra:
+            parts = [f"missing keys {', '.join(missing[:5])}"] if missing else []
+            parts += [f"unexpected keys {', '.join(extra[:5])}"] if extra else []
+            return path, "; ".join(parts)
+        children = [(tu.DictKey(k), like[k], out[k]) for k in like]
+    elif isinstance(like, (list, tuple)):
+        if len(like) != len(out):
+            return path, f"expected {len(like)} items, got {len(out)}"
+        fields = getattr(like, "_fields", None)
+        children = [
+            (tu.GetAttrKey(fields[i]) if fields else tu.SequenceKey(i), a, b)
+            for i, (a, b) in enumerate(zip(like, out, strict=True))
+        ]
+    else:
+        return None
+    for key, a, b in children:
+        found = _mismatch(a, b, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
 def structure_error(specs: LeafSpecs, out: Any, cause: Exception) -> ValueError:
-    """Says which key paths the result lacks and which it has in excess."""
-    want = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(specs.like)[0]}
-    got = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(out)[0]}
-    missing = sorted(p for p in want - got if not any(g.startswith(p) for g in got))
-    extra = sorted(p for p in got - want if not any(p.startswith(w) for w in want))
-    parts = []
-    if missing:
-        parts.append(f"missing key paths {', '.join(missing[:5])}")
-    if extra:
-        parts.append(f"unexpected key paths {', '.join(extra[:5])}")
-    detail = "; ".join(parts) or str(cause)
+    """Says where (the key path) and how the result's structure differs from ``like``."""
+    found = _mismatch(specs.like, out, ())
+    if found is None:
+        text = str(cause)
+        detail = text if len(text) <= 300 else text[:300] + " ..."
+    else:
+        path, how = found
+        detail = f"at {jax.tree_util.keystr(path) or 'the root'}: {how}"
     return ValueError(
         f"{specs.name}: the result's tree structure differs from like "
-        f"(matched by key path): {detail}"
+        f"(matched by key path) {detail}"
     )
 
 
