@@ -546,7 +546,6 @@ sys.exit(1)
 """
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child")
 def test_ctrl_c_interrupts_a_long_wait():
     proc = spawn(CTRL_C_SCRIPT)
     try:

@@ -560,10 +560,10 @@ def test_decorating_a_method():
 # -- shardings (four CPU devices, from conftest) ------------------------------------------
 
 
-needs_4_devices = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices")
+# tests/conftest.py asks XLA for 4 CPU devices; fewer is a broken set-up, not a skip.
+assert len(jax.devices()) >= 4
 
 
-@needs_4_devices
 def test_committed_input_places_the_output_on_its_device():
     dev = jax.devices()[2]
     x = aa.async_wrap(
@@ -584,7 +584,6 @@ def test_committed_input_places_the_output_on_its_device():
     assert not u.result().committed
 
 
-@needs_4_devices
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_sharded_inputs_and_out_shardings(axis_type):
     mesh = jax.make_mesh((4,), ("x",), axis_types=(axis_type,))
