@@ -13,35 +13,25 @@ import jax
 from . import _core
 from ._array import AsyncArray, Source, _shallow_copy, paused_gc
 from ._pool import jax_work
-from ._wrap import LeafSpecs, convert_one, declare, qualname
+from ._wrap import LeafSpecs, convert_one, declare_tree, qualname
 
 _LOG = logging.getLogger("async_array")
 _keystr = jax.tree_util.keystr
 
 
 def _specs_and_paths(name: str, like: Any, sharding: Any) -> tuple[LeafSpecs, list[Any], list[Any]]:
-    specs = declare(name, None, None, like, sharding)
-    flat = jax.tree_util.tree_flatten_with_path(like)[0]
-    return specs, [p for p, _ in flat], [leaf for _, leaf in flat]
+    # One flattening serves the specs, the key paths fn receives, and messages.
+    flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+    paths = [p for p, _ in flat]
+    leaves = [leaf for _, leaf in flat]
+    specs = declare_tree(LeafSpecs(name, like, treedef, paths), leaves, sharding)
+    return specs, paths, leaves
 
 
-class _KeyPaths:
-    """Key paths as text, by leaf index: one per tree, shared by its leaves'
-    sources (a closure per leaf would cost 200 bytes a pending leaf)."""
-
-    __slots__ = ("paths",)
-
-    def __init__(self, paths: list[Any]) -> None:
-        self.paths = paths
-
-    def __call__(self, index: int) -> str:
-        return _keystr(self.paths[index])
-
-
-def _one_source_a_leaf(
-    specs: LeafSpecs, futures: list[_core.Future], paths: list[Any]
-) -> list[AsyncArray]:
-    key_paths = _KeyPaths(paths)
+def _one_source_a_leaf(specs: LeafSpecs, futures: list[_core.Future]) -> list[AsyncArray]:
+    # The sources share the specs' key-path table, each at its own offset
+    # (a closure per leaf would cost 200 bytes a pending leaf).
+    key_paths = specs.key_path
     name, avals, shardings, committed = specs.name, specs.avals, specs.shardings, specs.committed
     return [
         AsyncArray(
@@ -99,7 +89,7 @@ def _async_map(fn: Callable[[Any, Any], Any], like: Any, sharding: Any) -> Any:
         for i, (path, spec) in enumerate(zip(paths, specs_in, strict=True))
     ]
     futures = _core.submit_many(_run_leaf, args)
-    leaves = _one_source_a_leaf(specs, futures, paths)
+    leaves = _one_source_a_leaf(specs, futures)
     return specs.treedef.unflatten(leaves)
 
 
@@ -191,7 +181,7 @@ def async_stream(
 def _async_stream(gen_fn: Callable[[], Iterable[tuple[Any, Any]]], like: Any, sharding: Any) -> Any:
     specs, paths, _ = _specs_and_paths(f"async_stream({qualname(gen_fn)})", like, sharding)
     futures = [_core.Future() for _ in paths]
-    leaves = _one_source_a_leaf(specs, futures, paths)
+    leaves = _one_source_a_leaf(specs, futures)
     driver = _core.submit(_drive_stream, gen_fn, specs, paths, futures)
     # The driver itself only fails on a bug here; then no leaf may hang.
     driver.add_done_callback(lambda d: _fail_all_if_failed(d, futures))

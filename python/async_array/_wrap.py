@@ -124,22 +124,27 @@ class LeafSpecs:
 
     __slots__ = ("_paths", "avals", "committed", "like", "name", "shardings", "treedef")
 
-    def __init__(self, name: str, avals: list[Any], shardings: list[Any], like: Any, treedef: Any):
+    def __init__(self, name: str, like: Any, treedef: Any, paths: list[Any] | None = None):
         self.name = name
-        self.avals = avals
-        self.committed = [s is not None for s in shardings]
-        self.shardings = [default_sharding() if s is None else s for s in shardings]
         self.like = like
         self.treedef = treedef  # None: a single leaf given by shape= and dtype=
-        self._paths: list[str] | None = None
+        self._paths = paths  # JAX key paths, when the caller already has them
+        self.avals: list[Any] = []
+        self.committed: list[bool] = []
+        self.shardings: list[Any] = []
+
+    def place_on(self, shardings: list[Any]) -> None:
+        """Sets each leaf's sharding: a requested one (committed), or the
+        default device's (uncommitted) for None."""
+        self.committed = [s is not None for s in shardings]
+        self.shardings = [default_sharding() if s is None else s for s in shardings]
 
     def key_path(self, index: int) -> str:
         if self.treedef is None:
             return ""
         if self._paths is None:
-            flat = jax.tree_util.tree_flatten_with_path(self.like)[0]
-            self._paths = [jax.tree_util.keystr(p) for p, _ in flat]
-        return self._paths[index]
+            self._paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(self.like)[0]]
+        return jax.tree_util.keystr(self._paths[index])
 
     def where(self, index: int) -> str:
         path = self.key_path(index)
@@ -163,13 +168,18 @@ def declare(
         dt = _dtype(dtype, name)
         if sharding is not None:
             _check_sharding(sharding, dims, name)
-        return LeafSpecs(name, [_aval(dims, dt)], [sharding], None, None)
-
+        specs = LeafSpecs(name, None, None)
+        specs.avals.append(_aval(dims, dt))
+        specs.place_on([sharding])
+        return specs
     leaves, treedef = jax.tree_util.tree_flatten(like)
-    n = len(leaves)
-    shardings = _broadcast_shardings(sharding, like, n, name)
-    avals = []
-    specs = LeafSpecs(name, avals, [None] * n, like, treedef)
+    return declare_tree(LeafSpecs(name, like, treedef), leaves, sharding)
+
+
+def declare_tree(specs: LeafSpecs, leaves: list[Any], sharding: Any) -> LeafSpecs:
+    """Fills ``specs`` from the leaves of its ``like`` tree (already flattened)."""
+    shardings = _broadcast_shardings(sharding, specs.like, len(leaves), specs.name)
+    avals = specs.avals
     # Big trees repeat a few shapes and shardings: validate each pair once.
     seen_avals: dict[tuple[Any, Any], Any] = {}
     fits: set[tuple[int, tuple[int, ...]]] = set()
@@ -197,8 +207,7 @@ def declare(
             _check_sharding(s, aval.shape, specs.where(i))
             fits.add((id(s), aval.shape))
         shardings[i] = s
-    specs.committed = [s is not None for s in shardings]
-    specs.shardings = [default_sharding() if s is None else s for s in shardings]
+    specs.place_on(shardings)
     return specs
 
 
