@@ -325,7 +325,13 @@ mod tests {
                 })
             })
             .collect();
-        thread::sleep(Duration::from_millis(20));
+        // All eight blocked before the value comes (the count has no
+        // notification: polled, bounded).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while lock(&f.shared.guarded).waiters < 8 {
+            assert!(Instant::now() < deadline, "gave up waiting for 8 waiters");
+            thread::yield_now();
+        }
         assert!(f.set_running());
         assert_eq!(f.status(), Status::Running);
         assert!(f.complete(Outcome::Value(42)));

@@ -394,6 +394,46 @@ mod tests {
 
     type F = Future<usize, String>;
 
+    /// The bound of every wait for a state; reaching it fails the test.
+    const WAIT: Duration = Duration::from_secs(30);
+
+    /// Polls `done` (the pool's counters have no notification) until it holds;
+    /// panics, naming `what`, after `WAIT`. Never sleeps: it yields.
+    fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + WAIT;
+        while !done() {
+            assert!(Instant::now() < deadline, "gave up waiting for {what}");
+            std::thread::yield_now();
+        }
+    }
+
+    /// A count that tasks raise and tests wait on.
+    #[derive(Default)]
+    struct Counter {
+        n: Mutex<usize>,
+        changed: Condvar,
+    }
+
+    impl Counter {
+        fn add(&self, delta: isize) -> usize {
+            let mut n = self.n.lock().unwrap();
+            *n = n.checked_add_signed(delta).unwrap();
+            self.changed.notify_all();
+            *n
+        }
+
+        /// Waits until the count satisfies `done`; panics, naming `what`, after `WAIT`.
+        fn wait_for(&self, what: &str, done: impl Fn(usize) -> bool) -> usize {
+            let n = self.n.lock().unwrap();
+            let (n, timeout) = self
+                .changed
+                .wait_timeout_while(n, WAIT, |n| !done(*n))
+                .unwrap();
+            assert!(!timeout.timed_out(), "gave up waiting for {what}: {}", *n);
+            *n
+        }
+    }
+
     struct Task<G: FnOnce() -> usize + Send + 'static> {
         f: G,
         future: F,
@@ -422,7 +462,10 @@ mod tests {
     }
 
     fn value(f: &F) -> usize {
-        assert!(f.wait_until(Some(Instant::now() + Duration::from_secs(10))));
+        assert!(
+            f.wait_until(Some(Instant::now() + WAIT)),
+            "gave up waiting for a task"
+        );
         match f.outcome() {
             Some(Outcome::Value(v)) => *v,
             other => panic!("unexpected {other:?}"),
@@ -451,21 +494,28 @@ mod tests {
 
     #[test]
     fn never_more_than_max_workers_busy() {
+        // Every task holds its worker until the gate opens: three run, the
+        // rest stay queued, and the pool starts no fourth thread for them.
         let pool = Pool::new("t", 3);
-        let busy = Arc::new(AtomicUsize::new(0));
+        let busy = Arc::new(Counter::default());
         let peak = Arc::new(AtomicUsize::new(0));
+        let gate = Arc::new(Mutex::new(()));
+        let held = gate.lock().unwrap();
         let fs: Vec<F> = (0..30)
             .map(|_| {
-                let (busy, peak) = (Arc::clone(&busy), Arc::clone(&peak));
+                let (busy, peak, gate) = (Arc::clone(&busy), Arc::clone(&peak), Arc::clone(&gate));
                 submit(&pool, move || {
-                    let now = busy.fetch_add(1, Ordering::SeqCst) + 1;
-                    peak.fetch_max(now, Ordering::SeqCst);
-                    std::thread::sleep(Duration::from_millis(5));
-                    busy.fetch_sub(1, Ordering::SeqCst);
+                    peak.fetch_max(busy.add(1), Ordering::SeqCst);
+                    drop(gate.lock().unwrap());
+                    busy.add(-1);
                     0
                 })
             })
             .collect();
+        busy.wait_for("three busy workers", |n| n >= 3);
+        let st = pool.stats();
+        assert_eq!((st.threads, st.queued), (3, 27), "{st:?}");
+        drop(held);
         fs.iter().for_each(|f| assert_eq!(value(f), 0));
         assert_eq!(peak.load(Ordering::SeqCst), 3);
         assert!(pool.stats().threads <= 3);
@@ -482,7 +532,7 @@ mod tests {
         });
         assert_eq!(value(&outer), 42);
         // The stand-in retires once nothing is blocked.
-        std::thread::sleep(Duration::from_millis(50));
+        eventually("the stand-in to retire", || pool.stats().threads == 1);
         let st = pool.stats();
         assert_eq!((st.blocked, st.max_workers), (0, 1));
         assert!(st.spawned_total >= 2);
@@ -515,8 +565,9 @@ mod tests {
             assert_eq!(value(&submit(&pool, || 1)), 1);
             drop(held);
             assert_eq!(value(&busy), 0);
-            std::thread::sleep(Duration::from_millis(20));
-            assert_eq!(pool.stats().idle, 2, "both spare workers are asleep");
+            eventually("both spare workers to fall asleep", || {
+                pool.stats().idle == 2
+            });
             unblock.complete(Outcome::Value(0));
             assert_eq!(value(&outer), 42);
         }
@@ -540,22 +591,42 @@ mod tests {
         }
         stop.store(true, Ordering::Relaxed);
         poker.join().unwrap();
-        std::thread::sleep(Duration::from_millis(20));
+        // Once every worker is back asleep, each is counted once: a count off
+        // by a lost or doubled sleeper never settles, and the wait fails.
+        eventually("every worker counted idle once", || {
+            let st = pool.stats();
+            st.idle == st.threads
+        });
         let st = pool.stats();
         assert_eq!((st.queued, st.blocked), (0, 0));
-        assert_eq!(st.idle, st.threads, "every idle worker is counted once");
     }
 
     #[test]
     fn fork_guard_holds_the_lock_until_dropped() {
         let pool = Pool::new("t", 2);
         let guard = pool.lock_for_fork();
+        assert!(
+            pool.inner.state.try_lock().is_err(),
+            "the guard holds the pool's lock"
+        );
         let p = pool.clone();
-        let submitter = std::thread::spawn(move || value(&submit(&p, || 5)));
-        std::thread::sleep(Duration::from_millis(30));
-        assert!(!submitter.is_finished(), "submit waits for the fork to end");
+        let (started, on_the_way) = std::sync::mpsc::channel();
+        let submitted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let done = Arc::clone(&submitted);
+        let submitter = std::thread::spawn(move || {
+            started.send(()).unwrap();
+            let f = submit(&p, || 5);
+            done.store(true, Ordering::SeqCst);
+            value(&f)
+        });
+        on_the_way.recv_timeout(WAIT).unwrap();
+        assert!(
+            !submitted.load(Ordering::SeqCst),
+            "submit waits for the fork to end"
+        );
         drop(guard);
         assert_eq!(submitter.join().unwrap(), 5);
+        assert!(submitted.load(Ordering::SeqCst));
     }
 
     #[test]
@@ -588,12 +659,12 @@ mod tests {
         pool.submit(Box::new(Stuck(stuck.clone(), Arc::clone(&gate))))
             .unwrap();
         let queued = submit(&pool, || 9);
-        while stuck.status() != crate::future::Status::Running {
-            std::thread::yield_now();
-        }
+        eventually("the stuck job to run", || {
+            stuck.status() == crate::future::Status::Running
+        });
         drop(pool.lock_for_fork());
         pool.after_fork_child();
-        assert!(stuck.wait_until(Some(Instant::now() + Duration::from_secs(10))));
+        assert!(stuck.wait_until(Some(Instant::now() + WAIT)));
         assert!(matches!(stuck.outcome(), Some(Outcome::Error(e)) if e == "abandoned"));
         assert_eq!(value(&queued), 9, "a fresh worker runs what was queued");
         // The stuck worker stands for a thread that no longer exists: it never wakes.
@@ -611,9 +682,9 @@ mod tests {
             1
         });
         let queued = submit(&pool, || 2);
-        while pool.stats().queued != 1 {
-            std::thread::yield_now();
-        }
+        eventually("the first job to leave the queue", || {
+            pool.stats().queued == 1
+        });
         pool.shutdown();
         assert!(matches!(queued.outcome(), Some(Outcome::Cancelled)));
         drop(held);
@@ -631,9 +702,7 @@ mod tests {
         assert!(pool.try_pop().is_none(), "only workers take jobs");
         let p = pool.clone();
         let taken = submit(&pool, move || {
-            while p.stats().queued == 0 {
-                std::thread::yield_now();
-            }
+            eventually("a job queued behind this one", || p.stats().queued > 0);
             // Runs the job queued behind this one, on this same thread.
             let next = p.try_pop().expect("queued job");
             next.run();
@@ -668,13 +737,16 @@ mod tests {
     #[test]
     fn thread_hooks_run_on_start_and_retire() {
         static STARTED: AtomicUsize = AtomicUsize::new(0);
-        static STOPPED: AtomicUsize = AtomicUsize::new(0);
+        static STOPPED: Counter = Counter {
+            n: Mutex::new(0),
+            changed: Condvar::new(),
+        };
         let hooks = ThreadHooks {
             start: Some(|| {
                 STARTED.fetch_add(1, Ordering::SeqCst);
             }),
             stop: Some(|| {
-                STOPPED.fetch_add(1, Ordering::SeqCst);
+                STOPPED.add(1);
             }),
         };
         let pool = Pool::with_hooks("t", 2, hooks);
@@ -685,12 +757,9 @@ mod tests {
         let spawned = pool.stats().spawned_total;
         assert!((1..=2).contains(&spawned));
         pool.shutdown();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while STOPPED.load(Ordering::SeqCst) < spawned && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        let stopped = STOPPED.wait_for("every worker's stop hook", |n| n >= spawned);
         assert_eq!(STARTED.load(Ordering::SeqCst), spawned);
-        assert_eq!(STOPPED.load(Ordering::SeqCst), spawned);
+        assert_eq!(stopped, spawned);
     }
 
     #[test]

@@ -5,48 +5,30 @@ import concurrent.futures
 import copy
 import pickle
 import threading
-import time
 
 import jax
 import numpy as np
 import pytest
+from conftest import WAIT, Gate, wait_for
 
 import async_array as aa
+from async_array import _core
 
 F32 = np.float32
 
 
-class Gate:
-    """A loader that returns ``value`` once released; tells when it started."""
-
-    def __init__(self, value):
-        self.value = value
-        self.started = threading.Event()
-        self.release = threading.Event()
-
-    def __call__(self):
-        self.started.set()
-        assert self.release.wait(30), "gate never released"
-        return self.value
-
-
 @pytest.fixture
 def gated():
-    gates = []
-
     def make(value, **kw):
         gate = Gate(value)
-        gates.append(gate)
-        return gate, aa.async_wrap(gate, **kw)
+        return gate, gate.leaf(**kw)
 
-    yield make
-    for g in gates:
-        g.release.set()
+    return make
 
 
 def test_known_at_once_while_pending(gated):
     gate, x = gated(np.ones((2, 3), F32), shape=(2, 3), dtype=F32)
-    assert gate.started.wait(5)
+    wait_for(gate.started, "the loader to start")
     assert (x.shape, x.dtype, x.ndim, x.size, x.nbytes, x.itemsize) == ((2, 3), F32, 2, 6, 24, 4)
     assert x.aval.shape == (2, 3) and x.aval.dtype == F32 and not x.aval.weak_type
     assert x.sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -57,20 +39,20 @@ def test_known_at_once_while_pending(gated):
     assert isinstance(x, jax.Array)
     assert not hasattr(x, "no_such_attribute")  # answered without waiting
     assert not x.done()
-    gate.release.set()
+    gate.open()
     x.result()
     assert repr(x).startswith("AsyncArray(ready, Array([[1., 1., 1.]")
 
 
 def test_result_timeout_then_value(gated):
     gate, x = gated(np.arange(3, dtype=F32), shape=(3,), dtype=F32)
-    t = time.perf_counter()
+    # The gate is closed: the only way out of result(0.2) is its timeout.
     with pytest.raises(TimeoutError, match=r"result: not ready after 0.2 s"):
         x.result(timeout=0.2)
-    assert 0.15 < time.perf_counter() - t < 2
     with pytest.raises(TimeoutError):
         x.exception(timeout=0)
-    gate.release.set()
+    assert not x.done()
+    gate.open()
     np.testing.assert_array_equal(x.result(timeout=10), [0, 1, 2])
     assert x.exception() is None
 
@@ -116,11 +98,12 @@ def test_block_until_ready_returns_self_and_works_on_trees():
 def test_cancel_a_task_that_has_not_started(pool_size):
     pool_size(1)
     blocker = Gate(np.zeros(1, F32))
-    first = aa.async_wrap(blocker, shape=(1,), dtype=F32)
-    assert blocker.started.wait(5)
+    first = blocker.leaf()
+    wait_for(blocker.started, "the blocker to start")
     ran = []
     like = {"a": jax.ShapeDtypeStruct((2,), F32), "b": jax.ShapeDtypeStruct((), F32)}
     queued = aa.async_wrap(lambda: ran.append(1), like=like)
+    after = aa.async_wrap(lambda: np.ones(1, F32), shape=(1,), dtype=F32)  # queued behind it
     assert queued["a"].cancel()
     assert queued["b"].cancelled() and queued["b"].done()
     for leaf in (queued["a"], queued["b"]):
@@ -128,15 +111,17 @@ def test_cancel_a_task_that_has_not_started(pool_size):
             leaf.result()
     assert "cancel" not in repr(first)
     assert not first.cancel()  # running: too late
-    blocker.release.set()
+    blocker.open()
     np.testing.assert_array_equal(first.result(), [0])
-    time.sleep(0.1)
+    # One worker runs the queue in order: once `after` is done, the cancelled
+    # task has had its turn.
+    np.testing.assert_array_equal(after.result(WAIT), [1])
     assert ran == []
 
 
-def test_done_callbacks_get_the_leaf(caplog):
+def test_done_callbacks_get_the_leaf(async_array_log):
     gate = Gate(np.full(2, 3, F32))
-    x = aa.async_wrap(gate, shape=(2,), dtype=F32)
+    x = gate.leaf()
     seen = []
     done = threading.Event()
 
@@ -150,14 +135,13 @@ def test_done_callbacks_get_the_leaf(caplog):
         raise RuntimeError("callback bug")
 
     x.add_done_callback(bad)
-    gate.release.set()
-    assert done.wait(10)
+    gate.open()
+    wait_for(done, "the done-callback")
     x.result()
     late = []
     x.add_done_callback(lambda leaf: late.append(leaf is x))  # already done: runs here
     assert seen == [3.0] and late == [True]
-    time.sleep(0.1)
-    logged = [r for r in caplog.records if r.name == "async_array"]
+    logged = async_array_log.wait_for(1, "the raising callback to be logged")
     assert len(logged) == 1
     # Names the callback itself, with the traceback of where it raised.
     assert "bad" in logged[0].getMessage() and logged[0].exc_info[0] is RuntimeError
@@ -165,38 +149,50 @@ def test_done_callbacks_get_the_leaf(caplog):
 
 
 def test_await_in_asyncio():
+    # The loader returns only once another task of the event loop opens its
+    # gate: if `await x` blocked the loop, that task could never run.
+    gate = Gate(np.arange(3, dtype=F32))
+    x = gate.leaf()
+    pending_when_opened = []
+
+    async def open_gate():
+        pending_when_opened.append(not x.done())
+        gate.open()
+
     async def main():
-        x = aa.async_wrap(
-            lambda: (time.sleep(0.2), np.arange(3, dtype=F32))[1], shape=(3,), dtype=F32
-        )
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        t = asyncio.create_task(ticker())
+        opener = asyncio.create_task(open_gate())  # runs once main awaits
         value = await x
-        t.cancel()
-        return value, ticks
+        await opener
+        return value
 
-    value, ticks = asyncio.run(main())
+    value = asyncio.run(main())
     np.testing.assert_array_equal(value, [0, 1, 2])
-    assert ticks >= 5  # the event loop kept running while x loaded
+    assert pending_when_opened == [True]  # the event loop ran while x was loading
 
 
-def test_two_threads_waiting_on_slow_leaves_release_the_gil():
-    xs = [
-        aa.async_wrap(lambda: (time.sleep(1.0), np.ones(1, F32))[1], shape=(1,), dtype=F32)
-        for _ in range(2)
-    ]
-    t = time.perf_counter()
-    threads = [threading.Thread(target=x.result) for x in xs]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert time.perf_counter() - t < 1.7
+def test_two_threads_waiting_on_slow_leaves_release_the_gil(pool_size):
+    # The waiting threads are pool workers: a worker inside a wait stops
+    # counting against max_workers, so with four workers (two loaders held at
+    # their gates, two waiters) work queued behind them starts only on a
+    # stand-in, one per waiter inside its wait. `second` starts once both wait
+    # (`first` keeps the first stand-in until then) and opens the gates by
+    # running Python, which a wait holding the GIL would forbid: the waits
+    # would then give up after WAIT s and the test fail.
+    pool_size(4)
+    gates = [Gate(np.full(1, i, F32)) for i in range(2)]
+    xs = [g.leaf() for g in gates]
+    for g in gates:
+        wait_for(g.started, "the loaders to start")
+    waiters = [_core.submit(x.result, WAIT) for x in xs]
+    both_wait = threading.Event()
+    first = _core.submit(wait_for, both_wait, "a stand-in for the second waiter")
+
+    def second():
+        both_wait.set()
+        for g in gates:
+            g.open()
+
+    opener = _core.submit(second)
+    assert [float(w.result(WAIT)[0]) for w in waiters] == [0.0, 1.0]
+    assert (first.result(WAIT), opener.result(WAIT)) == (None, None)
     assert all(x.done() for x in xs)

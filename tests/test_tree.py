@@ -3,12 +3,12 @@ async_map, async_stream (issue 6)."""
 
 import logging
 import threading
-import time
 import traceback
 
 import jax
 import numpy as np
 import pytest
+from conftest import WAIT, Gate, wait_for
 
 import async_array as aa
 
@@ -22,41 +22,40 @@ def sds(shape=(2,), dtype=F32):
 
 @pytest.fixture(autouse=True)
 def roomy_pool(pool_size):
-    """Timing tests here need their loaders to run at once, whatever earlier tests left running."""
+    """Gated loaders each hold a worker: room for all of them, whatever earlier tests left."""
     pool_size(16)
 
 
-def after(seconds, value):
-    def f():
-        time.sleep(seconds)
-        return value
-
-    return f
+def open_when_done(leaf, gate):
+    """Opens ``gate`` once ``leaf`` is done (from the thread that finished it)."""
+    leaf.add_done_callback(lambda _: gate.open())
 
 
 # -- materialize ----------------------------------------------------------------
 
 
 def test_materialize_returns_jax_arrays_and_passes_other_leaves():
+    gate_a, gate_c = Gate([1, 2]), Gate(7)
     tree = {
-        "a": aa.async_wrap(after(0.1, [1, 2]), shape=(2,), dtype=F32),
+        "a": gate_a.leaf(shape=(2,), dtype=F32),
         "b": [np.ones(1), 3, "text"],
-        "c": aa.async_wrap(after(0.05, 7), shape=(), dtype=np.int32),
+        "c": gate_c.leaf(shape=(), dtype=np.int32),
     }
+    open_when_done(tree["a"], gate_c)  # "c" loads only after "a"
+    threading.Thread(target=gate_a.open).start()  # while materialize waits, or before
     out = aa.materialize(tree)
     assert type(out["a"]) is type(jax.numpy.zeros(1)) and out["a"].tolist() == [1.0, 2.0]
     assert out["b"][1] == 3 and out["b"][2] == "text" and int(out["c"]) == 7
 
 
 def test_materialize_times_out_and_raises_the_first_failure():
-    slow = aa.async_wrap(after(2, [1.0]), shape=(1,), dtype=F32)
-    t = time.perf_counter()
+    slow = Gate([1.0]).leaf(shape=(1,), dtype=F32)  # never opened: only the timeout ends the wait
     with pytest.raises(
         TimeoutError,
         match=r"aa.materialize: 1 leaf not ready after 0\.2 s \(the first: async_wrap\(.*\)",
     ):
         aa.materialize({"slow": slow, "fast": np.ones(1)}, timeout=0.2)
-    assert time.perf_counter() - t < 2
+    assert not slow.done()
 
     def boom():
         raise ZeroDivisionError("in loader")
@@ -96,15 +95,11 @@ def test_one_hundred_thousand_leaves_values_and_key_paths():
 
 
 def _three():
-    def boom():
-        time.sleep(0.3)
-        raise KeyError("b")
-
-    return {
-        "fast": aa.async_wrap(after(0.05, [1.0]), shape=(1,), dtype=F32),
-        "fails": aa.async_wrap(boom, shape=(1,), dtype=F32),
-        "slow": aa.async_wrap(after(1.5, [3.0]), shape=(1,), dtype=F32),
-    }
+    """Three leaves whose loaders each wait for their gate (all closed): "fast"
+    returns, "fails" raises, "slow" returns."""
+    gates = {"fast": Gate([1.0]), "fails": Gate(exc=KeyError("b")), "slow": Gate([3.0])}
+    tree = {k: g.leaf(shape=(1,), dtype=F32) for k, g in gates.items()}
+    return gates, tree
 
 
 def _paths(pairs):
@@ -112,39 +107,46 @@ def _paths(pairs):
 
 
 def test_wait_all_completed():
-    tree = _three()
+    gates, tree = _three()
+    # They finish in order fast, fails, slow, each opening the next gate.
+    open_when_done(tree["fast"], gates["fails"])
+    open_when_done(tree["fails"], gates["slow"])
+    gates["fast"].open()
     done, not_done = aa.wait(tree)
     assert _paths(done) == ["['fails']", "['fast']", "['slow']"] and not_done == []
     assert all(leaf is tree[p[0].key] for p, leaf in done)
 
 
 def test_wait_first_completed():
-    tree = _three()
-    t = time.perf_counter()
+    gates, tree = _three()
+    gates["fast"].open()  # the others stay closed: only "fast" can end the wait
     done, not_done = aa.wait(tree, return_when=aa.FIRST_COMPLETED)
-    assert time.perf_counter() - t < 1.0
     assert _paths(done) == ["['fast']"]
     assert _paths(not_done) == ["['fails']", "['slow']"]
 
 
 def test_wait_first_exception():
-    tree = _three()
-    t = time.perf_counter()
+    gates, tree = _three()
+    open_when_done(tree["fast"], gates["fails"])  # "fails" fails after "fast" is done
+    gates["fast"].open()  # "slow" stays closed: only the failure can end the wait
     done, not_done = aa.wait(tree, return_when=aa.FIRST_EXCEPTION)
-    assert time.perf_counter() - t < 1.2
     assert _paths(done) == ["['fails']", "['fast']"] and _paths(not_done) == ["['slow']"]
     assert isinstance(tree["fails"].exception(), KeyError)
-    # No exception at all: FIRST_EXCEPTION waits for everything.
-    ok = {"a": aa.async_wrap(after(0.1, [1.0]), shape=(1,), dtype=F32)}
+    # No exception at all: FIRST_EXCEPTION waits for everything ("b" loads after "a").
+    gate_a, gate_b = Gate([1.0]), Gate([2.0])
+    ok = {"a": gate_a.leaf(shape=(1,), dtype=F32), "b": gate_b.leaf(shape=(1,), dtype=F32)}
+    open_when_done(ok["a"], gate_b)
+    gate_a.open()
     done, not_done = aa.wait(ok, return_when=aa.FIRST_EXCEPTION)
-    assert _paths(done) == ["['a']"] and not_done == []
+    assert _paths(done) == ["['a']", "['b']"] and not_done == []
 
 
 def test_wait_timeout_is_not_an_error():
-    tree = _three()
-    t = time.perf_counter()
+    gates, tree = _three()
+    gates["fast"].open()
+    tree["fast"].result(WAIT)
+    # "fails" and "slow" stay closed: only the timeout ends the wait.
     done, not_done = aa.wait(tree, timeout=0.15)
-    assert 0.1 < time.perf_counter() - t < 1.0
     assert _paths(done) == ["['fast']"] and _paths(not_done) == ["['fails']", "['slow']"]
     with pytest.raises(ValueError, match="return_when"):
         aa.wait(tree, return_when="SOMETIMES")
@@ -154,38 +156,28 @@ def test_wait_timeout_is_not_an_error():
 
 
 def test_as_completed_follows_completion_order():
-    order = ["c", "a", "b", "d"]
-    gates = {k: threading.Event() for k in order}
-
-    def loader(key):
-        def f():
-            assert gates[key].wait(10)
-            return [float(order.index(key))]
-
-        return f
-
-    tree = {k: aa.async_wrap(loader(k), shape=(1,), dtype=F32) for k in "dabc"}
-    gates["c"].set()
-    tree["c"].result(timeout=10)  # "c" is done before iteration starts
-
-    def release_in_order():
-        for key in order[1:]:
-            time.sleep(0.05)
-            gates[key].set()
-            tree[key].exception(timeout=10)  # done before the next one starts
-
-    threading.Thread(target=release_in_order).start()
-    got = [(path[0].key, float(v[0])) for path, v in aa.as_completed(tree, timeout=20)]
-    assert got == [("c", 0.0), ("a", 1.0), ("b", 2.0), ("d", 3.0)]
+    order = ["c", "d", "a", "b"]  # not the order of the tree's leaves (a, b, c, d)
+    gates = {k: Gate([float(order.index(k))]) for k in order}
+    tree = {k: gates[k].leaf(shape=(1,), dtype=F32) for k in "dabc"}
+    gates["c"].open()
+    tree["c"].result(timeout=WAIT)  # "c" is done before iteration starts
+    got = []
+    for path, v in aa.as_completed(tree, timeout=WAIT):
+        got.append((path[0].key, float(v[0])))
+        if len(got) < len(order):
+            # The next leaf loads only now: each next() waits for it alone.
+            gates[order[len(got)]].open()
+    assert got == [("c", 0.0), ("d", 1.0), ("a", 2.0), ("b", 3.0)]
 
 
 def test_as_completed_yields_a_tasks_leaves_together_and_times_out():
+    one = Gate({"x": [1.0], "y": [2.0]})
     tree = {
-        "one": aa.async_wrap(
-            after(0.1, {"x": [1.0], "y": [2.0]}), like={"x": sds((1,)), "y": sds((1,))}
-        ),
-        "late": aa.async_wrap(after(5, [0.0]), shape=(1,), dtype=F32),
+        "one": one.leaf(like={"x": sds((1,)), "y": sds((1,))}),
+        "late": Gate([0.0]).leaf(shape=(1,), dtype=F32),  # never opened
     }
+    one.open()
+    tree["one"]["x"].result(WAIT)  # done before the iteration's 0.5 s begin
     it = aa.as_completed(tree, timeout=0.5)
     assert [keystr(next(it)[0]), keystr(next(it)[0])] == ["['one']['x']", "['one']['y']"]
     with pytest.raises(TimeoutError, match=r"aa.as_completed: 1 leaf not ready .* result\)"):
@@ -220,14 +212,14 @@ def test_async_map_leaves_are_ready_one_by_one_and_fail_alone():
 
     def fetch(path, spec):
         key = path[0].key
-        assert gates[key].wait(10)
+        wait_for(gates[key], f"the test to open {key}")
         if key == "b":
             raise ConnectionError(f"lost {key}")
         return np.ones(spec.shape, spec.dtype)
 
     tree = aa.async_map(fetch, {k: sds((1,)) for k in "abc"})
     gates["a"].set()
-    assert tree["a"].result(timeout=5).tolist() == [1.0]
+    assert tree["a"].result(timeout=WAIT).tolist() == [1.0]
     assert not tree["c"].done()
     gates["b"].set()
     gates["c"].set()
@@ -263,12 +255,12 @@ def test_async_stream_leaves_ready_as_yielded():
 
     def gen():
         for key in ("b", "a", "c"):
-            assert step.acquire(timeout=10)
+            assert step.acquire(timeout=WAIT), "the test never released the next step"
             yield (jax.tree_util.DictKey(key),), np.array([ord(key)], F32)
 
     tree = aa.async_stream(gen, like)
     step.release()
-    assert tree["b"].result(timeout=5).tolist() == [ord("b")]
+    assert tree["b"].result(timeout=WAIT).tolist() == [ord("b")]
     assert not tree["a"].done() and not tree["c"].done()
     step.release()
     step.release()
