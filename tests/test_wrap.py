@@ -4,7 +4,6 @@ import concurrent.futures
 import gc
 import logging
 import threading
-import time
 import traceback
 import weakref
 
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import WAIT, Gate, wait_for
 
 import async_array as aa
 
@@ -37,76 +37,78 @@ def _chain(n):
     return f
 
 
-def _compile_seconds(fn):
-    t = time.perf_counter()
-    jax.jit(fn).trace(sds((4,))).lower().compile()
-    return time.perf_counter() - t
-
-
-@pytest.mark.timeout(300)
+@pytest.mark.needs_jax_hooks
 def test_seed_scenario_compiles_while_f_runs():
-    load = 2.0
-    # Find a chain that takes about 1 s to compile here, and measure it.
-    n = 200
-    for _ in range(4):
-        seconds = _compile_seconds(_chain(n))
-        if seconds >= 0.8:
-            break
-        n = int(n * min(4.0, 1.0 / max(seconds, 0.05)))
-    compile_s = _compile_seconds(_chain(n))
+    # No clock: f returns only once jax.jit has been seen to finish compiling
+    # the chain (JAX's own monitoring event). If async_wrap ran f at the call,
+    # or jax.jit needed x's value to compile, f would wait in vain and fail
+    # after WAIT s.
+    fn = _chain(40)
+    fn.__name__ = "chain_40"
+    compiled = threading.Event()
+
+    def listen(event, duration_secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            if kw.get("fun_name") == "jit(chain_40)":
+                compiled.set()
 
     def slow():
-        time.sleep(load)  # releases the GIL, as a network read does
+        wait_for(compiled, "jax.jit to compile chain_40 while f runs")
         return np.arange(4, dtype=F32)
 
-    chain = jax.jit(_chain(n))  # a fresh function: nothing cached
-    t0 = time.perf_counter()
-    x = aa.async_wrap(slow, shape=(4,), dtype=F32)
-    returned = time.perf_counter() - t0
-    y = chain(x)
-    np.asarray(y)
-    total = time.perf_counter() - t0
-
-    assert returned < 0.05
+    chain = jax.jit(fn)  # a fresh function: nothing cached
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        x = aa.async_wrap(slow, shape=(4,), dtype=F32)
+        assert not x.done()
+        y = chain(x)  # compiles, then waits for x
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiled.is_set() and x.done()
     np.testing.assert_allclose(
-        np.asarray(y), np.asarray(_chain(n)(np.arange(4, dtype=F32))), rtol=1e-5
+        np.asarray(y), np.asarray(_chain(40)(np.arange(4, dtype=F32))), rtol=1e-5
     )
-    sequential = load + compile_s
-    # Overlapped: about max(load, compile) + run. Generous: half the overlap is enough.
-    assert total < sequential - 0.5 * min(load, compile_s) + 0.3, (total, load, compile_s)
 
 
 def test_returns_at_once_and_f_runs_on_the_pool():
-    started = threading.Event()
+    # f returns only once the test opens its gate, after async_wrap returned:
+    # a call that ran f or waited for it would hang, and f give up after WAIT s.
     ran_on = []
+    gate = Gate(np.ones(3, F32))
 
     def slow():
         ran_on.append(threading.current_thread().name)
-        started.set()
-        time.sleep(0.5)
-        return np.ones(3, F32)
+        return gate()
 
-    aa.async_wrap(lambda: np.ones(1, F32), shape=(1,), dtype=F32).result()  # warm-up
-    t = time.perf_counter()
     x = aa.async_wrap(slow, shape=(3,), dtype=F32)
-    assert time.perf_counter() - t < 0.005
-    assert started.wait(5)
+    wait_for(gate.started, "f to start")
     assert not x.done()
+    gate.open()
     np.testing.assert_array_equal(x.result(), np.ones(3, F32))
     assert ran_on[0] != threading.current_thread().name
 
 
 def test_many_threads_waiting_on_one_leaf_run_f_once():
     calls = []
+    gate = Gate(np.arange(5, dtype=np.int32))
 
     def f():
         calls.append(1)
-        time.sleep(0.3)
-        return np.arange(5, dtype=np.int32)
+        return gate()
 
     x = aa.async_wrap(f, shape=(5,), dtype=np.int32)
+    # The gate opens once every thread is on its way to x.result().
+    all_started = threading.Barrier(17)
+
+    def wait_on_x(_):
+        all_started.wait(WAIT)
+        return x.result()
+
     with concurrent.futures.ThreadPoolExecutor(16) as ex:
-        outs = list(ex.map(lambda _: x.result(), range(16)))
+        results = ex.map(wait_on_x, range(16))
+        all_started.wait(WAIT)
+        gate.open()
+        outs = list(results)
     assert len(calls) == 1
     assert all(o is outs[0] for o in outs)
     np.testing.assert_array_equal(outs[0], np.arange(5))
@@ -201,6 +203,7 @@ def test_every_kind_of_result(kind):
     assert not out.committed
 
 
+@pytest.mark.needs_jax_hooks
 def test_python_scalar_is_never_weakly_typed():
     traces = []
 
@@ -268,6 +271,7 @@ def test_a_jax_array_the_loader_keeps_and_deletes_is_copied():
     np.testing.assert_array_equal(np.asarray(out), [1, 2, 3, 4])
 
 
+@pytest.mark.needs_jax_hooks
 def test_f_using_jax_while_the_main_thread_dispatches():
     def f():
         acc = jnp.zeros(8, F32)
@@ -408,11 +412,14 @@ def test_ten_thousand_leaves_from_one_task():
         (dict(shape=(2,), dtype=F32, sharding="cpu"), TypeError, "jax.sharding.Sharding"),
     ],
 )
-def test_bad_arguments_raise_before_anything_runs(kwargs, error, match):
+def test_bad_arguments_raise_before_anything_runs(kwargs, error, match, pool_size):
+    pool_size(1)
     ran = []
     with pytest.raises(error, match=match):
         aa.async_wrap(lambda: ran.append(1), **kwargs)
-    time.sleep(0.05)
+    # One worker runs the queue in order: once this is done, anything the
+    # refused call had queued has run.
+    assert aa.async_wrap(lambda: 1, shape=(), dtype=F32).result(WAIT) == 1
     assert ran == []
 
 
@@ -436,6 +443,7 @@ def _frames(exc):
     return [f.name for f in traceback.extract_tb(exc.__traceback__)]
 
 
+@pytest.mark.needs_jax_hooks
 def test_f_raising_fails_every_use_of_every_leaf():
     like = {"a": sds((2,)), "b": sds((3,))}
     tree = aa.async_wrap(_failing_loader, like=like)
@@ -506,22 +514,17 @@ def test_unretrieved_exception_is_logged_when_leaves_are_collected(caplog):
     assert records[0].exc_info[0] is LoadError
 
 
-def test_exception_of_leaves_dropped_while_running_is_logged_when_it_comes(caplog):
-    gate = threading.Event()
+def test_exception_of_leaves_dropped_while_running_is_logged_when_it_comes(async_array_log):
+    gate = Gate(exc=LoadError("after the leaves were gone"))
 
     def f():
-        assert gate.wait(10)
-        raise LoadError("after the leaves were gone")
+        return gate()  # raises once the test opens the gate
 
     x = aa.async_wrap(f, shape=(1,), dtype=F32)
-    with caplog.at_level(logging.ERROR, logger="async_array"):
-        del x
-        gc.collect()
-        gate.set()
-        deadline = time.monotonic() + 10
-        while not caplog.records and time.monotonic() < deadline:
-            time.sleep(0.01)
-    records = [r for r in caplog.records if r.name == "async_array"]
+    del x
+    gc.collect()
+    gate.open()
+    records = async_array_log.wait_for(1, "the unretrieved exception to be logged")
     assert len(records) == 1 and records[0].exc_info[0] is LoadError
     assert "async_wrap(test_exception_of_leaves_dropped" in records[0].getMessage()
 

@@ -10,6 +10,7 @@ from . import _core
 from ._array import AsyncArray
 from ._buffer import empty
 from ._core import HostBuffer
+from ._jax_hooks import active as jax_hooks_active
 from ._jit import jit
 from ._map import async_map, async_stream
 from ._pool import configure, max_workers
@@ -40,6 +41,7 @@ __all__ = [
     "async_wrap",
     "configure",
     "empty",
+    "jax_hooks_active",
     "jit",
     "materialize",
     "max_workers",

@@ -470,17 +470,25 @@ _OPERATORS = [
     "__copy__", "__deepcopy__", "__dlpack__", "__dlpack_device__", "__array_namespace__",
 ]  # fmt: skip
 for _name in _OPERATORS:
-    if hasattr(_ArrayImpl, _name):
-        setattr(AsyncArray, _name, _forward(_name))
+    setattr(AsyncArray, _name, _forward(_name))
+
+# Public names of the concrete class that the abstract jax.Array lacks: forwarded
+# by name too, in case the concrete class cannot be found (see _jax_hooks).
+_CONCRETE_ONLY = (
+    "clone", "delete", "is_deleted", "on_device_size_in_bytes", "platform", "tobytes",
+    "tolist", "traceback", "unsafe_buffer_pointer",
+)  # fmt: skip
 
 # Every other public name of the concrete jax.Array (methods such as sum or
 # reshape, properties such as T or at) waits and defers to the result. Names
 # jax.Array lacks stay missing, so hasattr(x, "foo") answers without waiting.
-for _name in dir(_ArrayImpl):
+for _name in sorted(set(dir(_ArrayImpl)) | set(_CONCRETE_ONLY)):
     if _name.startswith("_") or _name in AsyncArray.__dict__:
         continue
-    _static = inspect.getattr_static(_ArrayImpl, _name)
-    if callable(_static) and not isinstance(_static, property):
+    _static = inspect.getattr_static(_ArrayImpl, _name, None)
+    if _static is None and _name == "traceback":  # a property; the rest are methods
+        setattr(AsyncArray, _name, _forward_property(_name))
+    elif _static is None or (callable(_static) and not isinstance(_static, property)):
         setattr(AsyncArray, _name, _forward(_name))
     else:
         setattr(AsyncArray, _name, _forward_property(_name))

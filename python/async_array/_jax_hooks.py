@@ -6,35 +6,54 @@ the same ones JAX makes for its own ``EArray`` (``jax/_src/earray.py``):
 
 * ``core.pytype_aval_mappings``: the aval of a leaf is known without waiting,
   so tracing, lowering and compiling never block;
-* ``dtypes.register_canonicalize_value_handler``: the leaf is passed through
-  unchanged while arguments are canonicalized;
-* ``pxla.shard_arg_handlers``: at dispatch, every ``AsyncArray`` argument of one
-  call is resolved in one GIL-free wait, then handed on as a ``jax.Array``.
+* ``dtypes.register_canonicalize_value_handler`` (``canonicalize_value_handlers``
+  on JAX 0.10.0 and 0.10.1): the leaf passes unchanged while arguments are
+  canonicalized;
+* ``pxla.shard_arg_handlers`` with ``pxla.shard_args``: at dispatch, every
+  ``AsyncArray`` argument of one call is resolved in one GIL-free wait, then
+  handed on as a ``jax.Array``.
 
-Also here: the per-leaf hand-off to JAX (``xla_client.batched_device_put`` and
-DLPack's ``dlpack_managed_tensor_to_buffer``, about 10x cheaper per leaf than
-``jax.device_put`` and ``jax.dlpack.from_dlpack``), and JAX's own warning for
-an x64 dtype requested while x64 is off. Each is checked against the JAX version at
-import; where any is missing, :data:`ERROR` says so, ``jax.jit`` on an
-``AsyncArray`` raises it, and the public route (``aa.jit``, ``aa.materialize``)
-still works.
+Also here: the per-leaf hand-off to JAX (``xla_client.batched_device_put``,
+DLPack's ``dlpack_managed_tensor_to_buffer`` and ``ArrayImpl``, about 10x
+cheaper per leaf than ``jax.device_put`` and ``jax.dlpack.from_dlpack``).
+
+JAX moves its private names without notice, so each one is detected once, at
+import, by what it is: the name exists and takes the arguments this module
+passes. No version number is consulted. A missing hand-off name costs speed
+only: the public ``jax.device_put`` and ``jax.dlpack.from_dlpack`` take over.
+A missing registration turns the ``jax.jit`` integration off: :data:`ERROR`
+says which name is missing, ``jax.jit`` on an ``AsyncArray`` raises it, and the
+public route (``aa.jit``, ``aa.materialize``, ``jax.block_until_ready``) still
+works. ``ASYNC_ARRAY_DISABLE_JAX_HOOKS=1`` turns every hook off, or a
+comma-separated list of the names in :data:`HOOKS` turns those off.
 """
 
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-#: JAX versions whose private hooks this module was checked against: [low, high).
-SUPPORTED_JAX = ((0, 10, 0), (0, 11, 0))
+ENV_DISABLE = "ASYNC_ARRAY_DISABLE_JAX_HOOKS"
 
-#: Why the hooks are not installed, or None when they are.
-ERROR: str | None = None
+#: Every private name used here: what it is for, and whether ``jax.jit`` on an
+#: ``AsyncArray`` needs it (the others have a public stand-in).
+HOOKS: dict[str, tuple[str, bool]] = {
+    "core.pytype_aval_mappings": ("a leaf's aval without waiting", True),
+    "dtypes.canonicalize_value_handler": ("leaves pass argument canonicalization", True),
+    "pxla.shard_arg_handlers": ("one wait per dispatch", True),
+    "pxla.shard_args": ("handing resolved leaves to dispatch", True),
+    "xla_client.batched_device_put": ("the per-leaf host hand-off", False),
+    "dlpack_managed_tensor_to_buffer": ("the zero-copy HostBuffer hand-off", False),
+    "array.ArrayImpl": ("building a jax.Array from a DLPack buffer", False),
+    "pxla.batched_device_put": ("re-labelling a loader's jax.Array", False),
+}
+
+#: Why each hook is not in use, by name; empty when all are.
+MISSING: dict[str, str] = {}
 
 _PUBLIC_ROUTE = (
     "Use the public route instead: aa.jit(fun)(x) compiles while x loads and "
@@ -42,46 +61,175 @@ _PUBLIC_ROUTE = (
 )
 
 
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+def params_of(fn: Any) -> tuple[int, int] | None:
+    """(required, total) positional parameters of ``fn``, from
+    ``inspect.signature`` or, for nanobind functions (jaxlib's C++), from their
+    ``__nb_signature__`` text; None when neither tells."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None:
+        positional = [
+            p
+            for p in sig.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        if any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values()):
+            return sum(p.default is p.empty for p in positional), 1 << 30
+        return sum(p.default is p.empty for p in positional), len(positional)
+    text = getattr(fn, "__nb_signature__", None)
+    if not text:
+        return None
+    head = text[0][0]
+    inner = head[head.index("(") + 1 : head.rindex(")")]
+    # Split at top-level commas only (annotations hold brackets).
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(inner):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(inner[start:i])
+            start = i + 1
+    parts.append(inner[start:])
+    names = [p.strip() for p in parts if p.strip() and p.strip() not in ("/", "*")]
+    if any(p.startswith("*") for p in names):
+        names = names[: next(i for i, p in enumerate(names) if p.startswith("*"))]
+    return sum("=" not in p for p in names), len(names)
 
 
-try:
-    from jax._src import array as _array
-    from jax._src import core as _core
-    from jax._src import dtypes as _dtypes
-    from jax._src.interpreters import pxla as _pxla
-    from jax._src.lib import _jax as _jaxlib
-    from jax._src.lib import xla_client as _xc
+def takes(fn: Any, nargs: int) -> bool:
+    """Whether ``fn`` is callable with ``nargs`` positional arguments (True
+    when its signature cannot be read: it is then tried as it is)."""
+    if not callable(fn):
+        return False
+    found = params_of(fn)
+    return found is None or found[0] <= nargs <= found[1]
 
-    _ShapedArray = _core.ShapedArray
-    _ArrayImpl = _array.ArrayImpl
-    _xc_batched_device_put = _xc.batched_device_put
-    _ZERO_COPY = _xc.HostBufferSemantics.ZERO_COPY
-    _COPY_DURING_CALL = _xc.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
-    _dlpack_to_buffer = _jaxlib.dlpack_managed_tensor_to_buffer
-    _KDL_CPU = 1
-    _batched_device_put = _pxla.batched_device_put
-    _shard_args = _pxla.shard_args
-    _register_canonicalize = _dtypes.register_canonicalize_value_handler
-    _explicit_dtype = _dtypes._maybe_canonicalize_explicit_dtype
-    _aval_mappings = _core.pytype_aval_mappings
-    _shard_arg_handlers = _pxla.shard_arg_handlers
-except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the JAX build
-    ERROR = f"this JAX ({jax.__version__}) lacks a private hook async_array needs ({exc}). "
-    _ShapedArray = None
 
-_found = _version(jax.__version__)
-if ERROR is None and not (SUPPORTED_JAX[0] <= _found < SUPPORTED_JAX[1]):
+def _disabled() -> set[str]:
+    raw = os.environ.get(ENV_DISABLE, "").strip()
+    if raw in ("", "0"):
+        return set()
+    if raw == "1":
+        return set(HOOKS)
+    names = {n.strip() for n in raw.split(",") if n.strip()}
+    unknown = names - set(HOOKS)
+    if unknown:
+        raise ValueError(
+            f"{ENV_DISABLE}: unknown hook names {sorted(unknown)}; use 1 (all) or some of "
+            f"{sorted(HOOKS)}"
+        )
+    return names
+
+
+_DISABLED = _disabled()
+
+
+def _find(name: str, get: Callable[[], Any], check: Callable[[Any], bool] | None = None) -> Any:
+    """The hook ``name`` (``get()``), or None with the reason in :data:`MISSING`."""
+    if name in _DISABLED:
+        MISSING[name] = f"turned off by {ENV_DISABLE}"
+        return None
+    try:
+        found = get()
+    except (ImportError, AttributeError) as exc:
+        MISSING[name] = f"not in this JAX ({exc})"
+        return None
+    if check is not None and not check(found):
+        MISSING[name] = "changed in this JAX: it no longer takes what async_array passes"
+        return None
+    return found
+
+
+def _module(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"jax._src.{name}")
+
+
+def _is_mapping(x: Any) -> bool:
+    return isinstance(x, MutableMapping)
+
+
+_aval_mappings = _find(
+    "core.pytype_aval_mappings", lambda: _module("core").pytype_aval_mappings, _is_mapping
+)
+
+
+def _canonicalize_registrar() -> Callable[[type], None]:
+    dtypes = _module("dtypes")
+    register = getattr(dtypes, "register_canonicalize_value_handler", None)
+    if register is not None:
+        if not takes(register, 2):
+            raise AttributeError("register_canonicalize_value_handler takes other arguments")
+        return lambda t: register(t, None)
+    handlers = dtypes.canonicalize_value_handlers  # JAX 0.10.0 and 0.10.1
+    if not _is_mapping(handlers):
+        raise AttributeError("canonicalize_value_handlers is not a mapping")
+    return lambda t: handlers.__setitem__(t, lambda x: x)
+
+
+_register_canonicalize = _find("dtypes.canonicalize_value_handler", _canonicalize_registrar)
+_shard_arg_handlers = _find(
+    "pxla.shard_arg_handlers", lambda: _module("interpreters.pxla").shard_arg_handlers, _is_mapping
+)
+_shard_args = _find(
+    "pxla.shard_args", lambda: _module("interpreters.pxla").shard_args, lambda f: takes(f, 4)
+)
+
+
+def _xc_put() -> tuple[Callable[..., Any], Any, Any]:
+    xc = _module("lib").xla_client
+    semantics = xc.HostBufferSemantics
+    return xc.batched_device_put, semantics.ZERO_COPY, semantics.IMMUTABLE_ONLY_DURING_CALL
+
+
+_xc_batched = _find("xla_client.batched_device_put", _xc_put, lambda t: takes(t[0], 7))
+
+
+def _dlpack_import() -> tuple[Callable[..., Any], int]:
+    fn = _module("lib")._jax.dlpack_managed_tensor_to_buffer
+    # (capsule, device, stream, copy), and from JAX 0.10.2 the DLPack device type.
+    for nargs in (5, 4):
+        if takes(fn, nargs):
+            return fn, nargs
+    raise AttributeError("dlpack_managed_tensor_to_buffer takes other arguments")
+
+
+_dlpack = _find("dlpack_managed_tensor_to_buffer", _dlpack_import)
+_ArrayImpl = _find(
+    "array.ArrayImpl",
+    lambda: _module("array").ArrayImpl,
+    lambda c: isinstance(c, type) and issubclass(c, jax.Array),
+)
+_pxla_put = _find(
+    "pxla.batched_device_put",
+    lambda: _module("interpreters.pxla").batched_device_put,
+    lambda f: takes(f, 5),
+)
+#: The hooks ``jax.jit`` needs that are missing, by name.
+MISSING_JIT = [name for name, (_, needed) in HOOKS.items() if needed and name in MISSING]
+
+#: Why ``jax.jit`` cannot take an ``AsyncArray`` here, or None when it can.
+ERROR: str | None = None
+if MISSING_JIT:
     ERROR = (
-        f"async_array's jax.jit integration was checked against JAX "
-        f"{'.'.join(map(str, SUPPORTED_JAX[0]))} to below "
-        f"{'.'.join(map(str, SUPPORTED_JAX[1]))}; this is JAX {jax.__version__}. "
+        f"this JAX ({jax.__version__}) lacks private hooks async_array needs for it: "
+        + "; ".join(f"{name} ({MISSING[name]})" for name in MISSING_JIT)
+        + ". "
+        + _PUBLIC_ROUTE
     )
-if ERROR is None and os.environ.get("ASYNC_ARRAY_DISABLE_JAX_HOOKS"):
-    ERROR = "ASYNC_ARRAY_DISABLE_JAX_HOOKS is set, so the jax.jit integration is off. "
-if ERROR is not None:
-    ERROR += _PUBLIC_ROUTE
+
+
+def active() -> bool:
+    """Whether ``jax.jit``, ``jnp`` and the other JAX entry points take an
+    ``AsyncArray`` directly (all the registrations they need were found)."""
+    return ERROR is None
 
 
 def hooks_error() -> RuntimeError:
@@ -95,35 +243,29 @@ def install(array_type: type, resolve_all: Callable[[Sequence[Any]], list[jax.Ar
     all of them and returns their ``jax.Array`` values, in order."""
     if ERROR is not None:
         return
+    shard_args = _shard_args
 
     def shard_arg(xs, shardings, layouts, copy_semantics):
-        return _shard_args(shardings, layouts, copy_semantics, resolve_all(xs))
+        return shard_args(shardings, layouts, copy_semantics, resolve_all(xs))
 
     _aval_mappings[array_type] = lambda x: x.aval
-    _register_canonicalize(array_type, None)
+    _register_canonicalize(array_type)
     _shard_arg_handlers[array_type] = shard_arg
 
 
 def array_type() -> type:
-    """The concrete ``jax.Array`` class (``ArrayImpl``), without starting a
-    backend (making an array would, and would fix the platform at import)."""
-    if ERROR is None:
-        return _ArrayImpl
-    return type(jax.numpy.zeros(()))  # pragma: no cover - only without the hooks
+    """The concrete ``jax.Array`` class whose methods an ``AsyncArray``
+    forwards, without starting a backend (making an array would, and would fix
+    the platform at import); the abstract ``jax.Array`` where it is missing."""
+    return _ArrayImpl if _ArrayImpl is not None else jax.Array
 
 
 def shaped_array(shape: tuple[int, ...], dtype: np.dtype) -> Any:
     """The (never weakly typed) aval of a leaf."""
-    if _ShapedArray is None:  # pragma: no cover
-        return jax.ShapeDtypeStruct(shape, dtype)
-    return _ShapedArray(shape, dtype, weak_type=False)
+    return jax.core.ShapedArray(shape, dtype, weak_type=False)
 
 
-def canonical_dtype(dtype: np.dtype, fun_name: str) -> np.dtype:
-    """``dtype`` as JAX would make it, with JAX's own warning when x64 is off."""
-    if ERROR is None:
-        return np.dtype(_explicit_dtype(dtype, fun_name))
-    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+_X64_DTYPES = frozenset(map(np.dtype, ("int64", "uint64", "float64", "complex128")))
 
 
 # Devices of shardings that give every device the whole array, by id; the
@@ -145,6 +287,17 @@ def _placement(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Any], list[A
     return list(index_map), list(index_map.values())
 
 
+def _public_put(x: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array:
+    """``jax.device_put`` on a pool thread, as the caller's call would place it:
+    a 64-bit leaf stays 64-bit though the caller's ``jax.enable_x64`` context
+    (thread-local) is not active here; uncommitted lands uncommitted."""
+    target = sharding if committed else None
+    if aval.dtype in _X64_DTYPES:
+        with jax.enable_x64(True):
+            return jax.device_put(x, target, may_alias=True)
+    return jax.device_put(x, target, may_alias=True)
+
+
 def put_host(host: np.ndarray, aval: Any, sharding: Any, committed: bool, alias: bool) -> jax.Array:
     """Hands a numpy array of the leaf's dtype to JAX with ``sharding``.
 
@@ -152,18 +305,20 @@ def put_host(host: np.ndarray, aval: Any, sharding: Any, committed: bool, alias:
     the array is 64-byte aligned and C-contiguous): only for memory nothing else
     will write. Otherwise JAX copies it during the call, once.
     """
-    if ERROR is not None:
-        # Public route: jax.device_put may alias host memory, so copy unless ours.
-        host = host if alias else np.array(host, copy=True)
-        return jax.device_put(host, sharding if committed else None)
+    if _xc_batched is None:
+        return _public_put(host if alias else np.array(host, copy=True), aval, sharding, committed)
+    put, zero_copy, copy_during_call = _xc_batched
     devices, indices = _placement(sharding, aval.shape)
     if indices is None:
         shards = [host] * len(devices)
     else:
         shards = [host[i] for i in indices]
         alias = False
-    semantics = _ZERO_COPY if alias else _COPY_DURING_CALL
-    return _xc_batched_device_put(aval, sharding, shards, devices, committed, False, semantics)
+    semantics = zero_copy if alias else copy_during_call
+    return put(aval, sharding, shards, devices, committed, False, semantics)
+
+
+_KDL_CPU = 1
 
 
 def put_dlpack(buf: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array:
@@ -173,18 +328,26 @@ def put_dlpack(buf: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array
     The same path as ``jax.dlpack.from_dlpack(buf, copy=False)``, minus its
     per-call Python overhead (several times the cost of the hand-off itself).
     """
-    if ERROR is not None:
-        array = jax.dlpack.from_dlpack(buf, copy=False)
-        return jax.device_put(array, sharding) if committed else array
+    if _dlpack is None or _ArrayImpl is None:
+        if committed:
+            return jax.dlpack.from_dlpack(buf, next(iter(sharding.device_set)), copy=False)
+        # jax.dlpack.from_dlpack commits; device_put without a target does not,
+        # and aliases the aligned memory (the buffer refuses writers from now on).
+        return _public_put(np.asarray(buf), aval, sharding, committed)
+    to_buffer, nargs = _dlpack
     (device,) = sharding.device_set
     capsule = buf.__dlpack__(stream=None)
-    array = _dlpack_to_buffer(capsule, device, None, False, _KDL_CPU)
+    args = (capsule, device, None, False, _KDL_CPU)[:nargs]
+    array = to_buffer(*args)
     return _ArrayImpl(aval, sharding, [array], committed=committed, _skip_checks=True)
 
 
 def put_array(array: jax.Array, aval: Any, sharding: Any, committed: bool) -> jax.Array:
     """Re-labels a single-device ``jax.Array`` already on ``sharding``'s
     device with the leaf's aval and commitment (no copy)."""
-    if ERROR is not None:
-        return jax.device_put(array, sharding) if committed else array
-    return _batched_device_put(aval, sharding, [array], list(sharding.device_set), committed)
+    if _pxla_put is None:
+        if committed or not array.committed:
+            return array
+        # Uncommitted: JAX has no public way to drop a commitment in place.
+        return _public_put(np.asarray(array), aval, sharding, committed)
+    return _pxla_put(aval, sharding, [array], list(sharding.device_set), committed)

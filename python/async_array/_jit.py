@@ -446,10 +446,12 @@ class JitFunction:
                 specs.append(
                     (leaf.shape, leaf.dtype, getattr(leaf.aval, "weak_type", False), sharding)
                 )
-            elif kind is _ArrayImpl:
+            elif kind is _ArrayImpl or (
+                isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+            ):
                 sharding = leaf.sharding if leaf.committed else None
                 specs.append((leaf.shape, leaf.dtype, leaf.weak_type, sharding))
-            elif isinstance(leaf, jax.Array):  # a tracer: inside jit, vmap or grad
+            elif isinstance(leaf, jax.core.Tracer):  # inside jit, vmap or grad
                 return self.jitted(*args, **kwargs)
             else:
                 leaves[i], spec = self._concrete(leaf, i, dyn_pos, in_tree)

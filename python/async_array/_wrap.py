@@ -11,6 +11,7 @@ import functools
 import operator
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +53,48 @@ def _shape(shape: Any, where: str) -> tuple[int, ...]:
     return dims
 
 
+def outside_package_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the caller point at
+    the first frame outside async_array: the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("async_array"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def canonical_dtype(dtype: np.dtype, fun_name: str) -> np.dtype:
+    """``dtype`` as JAX makes an explicitly requested one: with x64 off, a
+    64-bit dtype narrows to its 32-bit kind, with JAX's own warning pointing at
+    the user's line (or JAX's error, or no change, as
+    ``jax_explicit_x64_dtypes`` says).
+
+    Raises:
+      ValueError: the dtype is not available and ``jax_explicit_x64_dtypes``
+        is ``error``.
+    """
+    out = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    if out == dtype:
+        return out
+    mode = str(getattr(jax.config, "jax_explicit_x64_dtypes", "warn")).lower()
+    if "allow" in mode:
+        return dtype
+    if "error" in mode:
+        raise ValueError(
+            f"Explicitly requested dtype {dtype} requested in {fun_name} is not available. "
+            "To enable more dtypes, set the jax_enable_x64 or allow_explicit_x64_dtypes "
+            "configuration options.See https://github.com/jax-ml/jax#current-gotchas for more."
+        )
+    warnings.warn(
+        f"Explicitly requested dtype {dtype} requested in {fun_name} is not available, and "
+        f"will be truncated to dtype {out.name}. To enable more dtypes, set the "
+        "jax_enable_x64 configuration option or the JAX_ENABLE_X64 shell environment "
+        "variable. See https://github.com/jax-ml/jax#current-gotchas for more.",
+        UserWarning,
+        stacklevel=outside_package_stacklevel(),
+    )
+    return out
+
+
 # Dtypes JAX keeps as they are, by x64 mode (the answer changes with jax_enable_x64).
 _unchanged: dict[tuple[np.dtype, bool], bool] = {}
 
@@ -59,7 +102,7 @@ _unchanged: dict[tuple[np.dtype, bool], bool] = {}
 def _canonical(dtype: np.dtype, x64: bool) -> np.dtype:
     if _unchanged.get((dtype, x64)):
         return dtype
-    out = _jax_hooks.canonical_dtype(dtype, "async_wrap")  # warns when it narrows
+    out = canonical_dtype(dtype, "async_wrap")  # warns when it narrows
     _unchanged[(dtype, x64)] = out == dtype
     return out
 
