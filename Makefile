@@ -98,11 +98,11 @@ test-rust: install
 	$(CARGO_ENV) cargo bench --no-run
 
 test-py311: install
-	@printf '%s\n' "make: pytest on $$($(PY) -c 'import sys, jax; print(f\"CPython {sys.version.split()[0]}, JAX {jax.__version__}\")')" >&2
+	@printf '%s\n' "make: pytest on $$($(PY) -c 'import sys, jax; print(f"CPython {sys.version.split()[0]}, JAX {jax.__version__}")')" >&2
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-py313: install313
-	@printf '%s\n' "make: pytest on $$($(PY313) -c 'import sys, jax; print(f\"CPython {sys.version.split()[0]}, JAX {jax.__version__}\")')" >&2
+	@printf '%s\n' "make: pytest on $$($(PY313) -c 'import sys, jax; print(f"CPython {sys.version.split()[0]}, JAX {jax.__version__}")')" >&2
 	$(PY313) -m pytest $(PYTEST_ARGS)
 
 # The public route (aa.jit, aa.materialize, result) with JAX's private hooks off.
