@@ -76,6 +76,7 @@ class LineReader:
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.proc = proc
+        self.err: str | None = None
         self.lines: queue.Queue[str] = queue.Queue()
         self.thread = threading.Thread(target=self._pump, daemon=True)
         self.thread.start()
@@ -93,13 +94,15 @@ class LineReader:
             pytest.fail(f"gave up after {WAIT} s waiting for {what}; stderr: {self.close()}")
 
     def close(self) -> str:
-        """Ends the script's process group and returns what it wrote to stderr."""
-        kill_group(self.proc)
-        self.thread.join(WAIT)  # the pipe is at its end once the group is gone
-        err = self.proc.stderr.read()
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-        return err
+        """Ends the script's process group and returns what it wrote to stderr
+        (the same text on every call)."""
+        if self.err is None:
+            kill_group(self.proc)
+            self.thread.join(WAIT)  # the pipe is at its end once the group is gone
+            self.err = self.proc.stderr.read()
+            self.proc.stdout.close()
+            self.proc.stderr.close()
+        return self.err
 
 
 def gate() -> tuple[threading.Event, _core.Future]:
@@ -575,12 +578,16 @@ def test_two_threads_waiting_release_the_gil(pool_size):
     assert (first.result(WAIT), opener.result(WAIT)) == (None, None)
 
 
-# A SIGINT handled before the wait began (after `print`) says "early" and asks
-# for another: once `armed` is set, the next place Python checks for signals is
-# inside `f.result()` (no bytecode between the store and the call checks).
+# The SIGINT is sent once another thread sees the main thread inside
+# wait_here, that is, in (or a bytecode away from) the blocking f.result().
 CTRL_C_SCRIPT = """
-import sys, threading, time
+import signal, sys, threading, time
 from async_array import _core
+
+# A process started in the background by a non-interactive shell (make in a
+# CI script, say) ignores SIGINT, and an ignored signal stays ignored across
+# exec: take Python's own handler back, as an interactive run has it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 f = _core.submit(time.sleep, 3600)
 
