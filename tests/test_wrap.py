@@ -538,3 +538,20 @@ def test_base_exceptions_fail_the_leaves_and_keep_the_pool(exc_type):
     with pytest.raises(exc_type):
         x.result()
     assert float(aa.async_wrap(lambda: 5.0, shape=(), dtype=F32).result()) == 5.0
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("allow", np.int64), ("warn", np.int32)])
+def test_explicit_x64_mode_decides_a_64_bit_dtype(mode, expected):
+    # The answer is cached by dtype and settings: a mode set later still counts.
+    before = jax.config.jax_explicit_x64_dtypes
+    jax.config.update("jax_explicit_x64_dtypes", mode)
+    try:
+        if mode == "warn":
+            with pytest.warns(UserWarning, match="truncated to dtype int32"):
+                x = aa.async_wrap(lambda: np.arange(2), shape=(2,), dtype=np.int64)
+        else:
+            x = aa.async_wrap(lambda: np.arange(2), shape=(2,), dtype=np.int64)
+        assert x.dtype == expected
+        np.testing.assert_array_equal(np.asarray(x), [0, 1])
+    finally:
+        jax.config.update("jax_explicit_x64_dtypes", before.name.lower())

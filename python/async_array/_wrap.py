@@ -75,7 +75,8 @@ def canonical_dtype(dtype: np.dtype, fun_name: str) -> np.dtype:
     out = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
     if out == dtype:
         return out
-    mode = str(getattr(jax.config, "jax_explicit_x64_dtypes", "warn")).lower()
+    mode = getattr(jax.config, "jax_explicit_x64_dtypes", "warn")
+    mode = str(getattr(mode, "name", mode)).lower()  # an IntEnum: str() gives its number
     if "allow" in mode:
         return dtype
     if "error" in mode:
@@ -95,15 +96,18 @@ def canonical_dtype(dtype: np.dtype, fun_name: str) -> np.dtype:
     return out
 
 
-# Dtypes JAX keeps as they are, by x64 mode (the answer changes with jax_enable_x64).
-_unchanged: dict[tuple[np.dtype, bool], bool] = {}
+# Dtypes JAX keeps as they are, by the settings that decide it (jax_enable_x64
+# and jax_explicit_x64_dtypes).
+_unchanged: dict[tuple[np.dtype, Any, Any], bool] = {}
 
 
-def _canonical(dtype: np.dtype, x64: bool) -> np.dtype:
-    if _unchanged.get((dtype, x64)):
+def _canonical(dtype: np.dtype) -> np.dtype:
+    config = jax.config
+    key = (dtype, config.jax_enable_x64, getattr(config, "jax_explicit_x64_dtypes", None))
+    if _unchanged.get(key):
         return dtype
     out = canonical_dtype(dtype, "async_wrap")  # warns when it narrows
-    _unchanged[(dtype, x64)] = out == dtype
+    _unchanged[key] = out == dtype
     return out
 
 
@@ -116,7 +120,7 @@ def _dtype(dtype: Any, where: str) -> np.dtype:
         raise TypeError(f"{where}: dtype {dt} is not a JAX array dtype")
     if dt.byteorder == ">":
         dt = dt.newbyteorder("=")
-    return _canonical(dt, jax.config.jax_enable_x64)
+    return _canonical(dt)
 
 
 _avals: dict[tuple[tuple[int, ...], np.dtype], Any] = {}
