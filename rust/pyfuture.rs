@@ -7,7 +7,6 @@ use crate::error::{Error, TaskError};
 use crate::future::{self, CompletionQueue, Outcome, Status};
 use crate::runtime::pool;
 use crate::wait::{deadline_after, wait_detached};
-use pyo3::exceptions::PyTimeoutError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTraceback, PyTuple};
@@ -49,10 +48,7 @@ impl PyFuture {
         timeout: Option<f64>,
     ) -> PyResult<&Outcome<Py<PyAny>, TaskError>> {
         if !self.timed_wait(py, timeout)? {
-            return Err(PyTimeoutError::new_err(format!(
-                "async_array: task not finished after {} s",
-                timeout.unwrap_or_default()
-            )));
+            return Err(Error::Timeout(timeout.unwrap_or_default()).into());
         }
         Ok(self.inner.outcome().expect("finished"))
     }
