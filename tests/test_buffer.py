@@ -13,30 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import DTYPE_IDS, DTYPES, WAIT
 
 import async_array as aa
 from async_array import _core
 
-WAIT = 30
-
-DTYPES = [
-    np.bool_,
-    np.int8,
-    np.int16,
-    np.int32,
-    np.int64,
-    np.uint8,
-    np.uint16,
-    np.uint32,
-    np.uint64,
-    np.float16,
-    jnp.bfloat16,
-    np.float32,
-    np.float64,
-    np.complex64,
-    np.complex128,
-]
-DTYPE_IDS = [np.dtype(d).name for d in DTYPES]
 SHAPES = [(), (0,), (3, 0, 2), (7,), (2, 3, 5)]
 # numpy (PEP 3118) has no format code for bfloat16.
 NO_PEP3118 = {np.dtype(jnp.bfloat16)}
