@@ -19,6 +19,8 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("ALIGNMENT", buffer::ALIGN)?;
+    m.add("DLPACK_CPU", dlpack::KDL_CPU)?;
     m.add_class::<pyfuture::PyFuture>()?;
     m.add_class::<pyfuture::Watcher>()?;
     m.add_class::<hostbuffer::HostBuffer>()?;
@@ -27,6 +29,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(task::_submit_rust_panic, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::wait_all, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::configure, m)?)?;
+    m.add_function(wrap_pyfunction!(runtime::default_max_workers, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::pool_stats, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::_after_fork_child, m)?)?;

@@ -12,17 +12,27 @@ use std::sync::OnceLock;
 
 static POOL: OnceLock<Pool> = OnceLock::new();
 
-/// The process-wide pool; `configure` resizes it.
+/// The process-wide pool, started at first use with [`default_max_workers`];
+/// `configure` resizes it.
 pub fn pool() -> &'static Pool {
     POOL.get_or_init(|| {
         install_fork_handlers();
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let hooks = ThreadHooks {
             start: Some(keep_thread_state),
             stop: Some(drop_thread_state),
         };
-        Pool::with_hooks("async-array", (cpus + 4).min(32), hooks)
+        Pool::with_hooks("async-array", default_max_workers(), hooks)
     })
+}
+
+/// The pool size when none is configured: `min(32, cpus + 4)`, the
+/// `ThreadPoolExecutor` rule (loaders mostly wait on I/O), where `cpus` is how
+/// many CPUs this process may actually use: its CPU affinity mask and cgroup
+/// quota count, which `os.cpu_count()` ignores.
+#[pyfunction]
+pub fn default_max_workers() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cpus + 4).min(32)
 }
 
 /// Sets how many tasks run at once (at least 1).
@@ -111,5 +121,32 @@ fn install_fork_handlers() {}
 pub fn _after_fork_child() {
     if let Some(pool) = POOL.get() {
         pool.after_fork_child();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_size_is_usable_cpus_plus_four_capped_at_32() {
+        let n = default_max_workers();
+        assert!((5..=32).contains(&n), "{n}");
+        // Never more than the CPUs the affinity mask allows (a cgroup quota
+        // may allow fewer), unlike os.cpu_count().
+        Python::initialize();
+        Python::attach(|py| {
+            let os = py.import("os").unwrap();
+            if let Ok(mask) = os.call_method1("sched_getaffinity", (0,)) {
+                let allowed = mask.len().unwrap();
+                assert!(n <= (allowed + 4).min(32), "{n} for {allowed} CPUs");
+            }
+        });
+    }
+
+    #[test]
+    fn the_pool_starts_at_the_default_size() {
+        // Only this test touches the process-wide pool in this test binary.
+        assert_eq!(pool().max_workers(), default_max_workers());
     }
 }
