@@ -2,8 +2,9 @@
 //!
 //! Every exception the bindings raise themselves is an [`Error`] turned into a
 //! Python exception by the one `From<Error> for PyErr` below; no other file
-//! builds one. Exceptions that Python code raised (a task, an import, a signal
-//! handler) pass through unchanged.
+//! builds one (clippy's `disallowed-methods` in `clippy.toml` refuses
+//! `PyValueError::new_err` and its kin elsewhere). Exceptions that Python code
+//! raised (a task, an import, a signal handler) pass through unchanged.
 
 use pyo3::exceptions::{
     PyBufferError, PyMemoryError, PyRuntimeError, PyTimeoutError, PyTypeError, PyValueError,
@@ -46,6 +47,8 @@ fn cancelled_error(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
 }
 
 impl From<Error> for PyErr {
+    // The one place that builds the core's own exceptions.
+    #[allow(clippy::disallowed_methods)]
     fn from(err: Error) -> PyErr {
         match err {
             Error::Cancelled => Python::attach(|py| match cancelled_error(py) {
