@@ -540,7 +540,7 @@ def test_unsupported_dtype_is_refused(dtype):
         ((-1,), ValueError, r"aa\.empty: negative dimension in shape \(-1,\)"),
         ((2, -3), ValueError, r"aa\.empty: negative dimension in shape \(2, -3\)"),
         (-4, ValueError, r"aa\.empty: negative dimension"),
-        ("ab", TypeError, r"aa\.empty: shape must hold integers"),
+        ("ab", TypeError, r"aa\.empty: shape must be a tuple of integers"),
         (2.5, TypeError, r"aa\.empty: shape must be an integer or a tuple"),
         ((1 << 62, 1 << 62), ValueError, "overflows the address space"),
     ],

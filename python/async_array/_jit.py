@@ -15,20 +15,22 @@ import functools
 import inspect
 import logging
 import threading
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _core
-from ._array import AsyncArray, Source, _ArrayImpl, _shallow_copy
+from . import _core, _jax_hooks
+from ._array import AsyncArray, source_of
+from ._errors import frames_freed, free_frames, noted
 from ._pool import exit_hooks, jax_work
-from ._wrap import qualname
+from ._source import Source, pending
+from ._spec import qualname
 
 _Sharding = jax.sharding.Sharding
 _keystr = jax.tree_util.keystr
+_ArrayImpl = _jax_hooks.array_type()
 
 #: Compiled programs kept per ``aa.jit`` function (least recently used go first).
 CACHE_SIZE = 1024
@@ -113,16 +115,6 @@ def _describe(spec: tuple[Any, ...]) -> str:
     shape, dtype, weak, sharding = spec
     text = f"{'~' if weak else ''}{np.dtype(dtype).name}{list(shape)}"
     return text if sharding is None else f"{text} on {sharding}"
-
-
-def _noted(exc: BaseException, note: str) -> BaseException:
-    """A copy of ``exc`` (same type, args, traceback) with ``note`` added, so
-    notes of different calls sharing one exception never mix."""
-    dup = _shallow_copy(exc)
-    if dup is exc:  # not copyable: notes land on the original
-        dup = exc
-    dup.add_note(note)
-    return dup
 
 
 def _input_paths(owner: JitFunction, dyn_pos: tuple[int, ...], in_tree: Any) -> list[str]:
@@ -251,11 +243,8 @@ class _Call:
 
 
 def _compile(traced: Any) -> Any:
-    try:
+    with frames_freed:
         return traced.lower().compile()
-    except BaseException as exc:
-        traceback.clear_frames(exc.__traceback__)
-        raise
 
 
 def _when_all_done(
@@ -328,7 +317,7 @@ def _execute(call: _Call) -> None:
         compiled = entry.compiled.result(0)
     except BaseException as exc:
         out.set_exception(
-            _noted(exc, f"async_array: compiling {entry.name} for ({entry.inputs_text()}) failed")
+            noted(exc, f"async_array: compiling {entry.name} for ({entry.inputs_text()}) failed")
         )
         return
     for i, value in enumerate(values):
@@ -337,13 +326,13 @@ def _execute(call: _Call) -> None:
                 values[i] = value.result()
             except BaseException as exc:
                 out.set_exception(
-                    _noted(exc, f"async_array: input {entry.in_path(i)} of {entry.name} failed")
+                    noted(exc, f"async_array: input {entry.in_path(i)} of {entry.name} failed")
                 )
                 return
     try:
         result = _run(compiled, entry.in_tree, values)
     except BaseException as exc:
-        traceback.clear_frames(exc.__traceback__)
+        free_frames(exc)
         exc.add_note(f"async_array: raised while running {entry.name}")
         out.set_exception(exc)
         return
@@ -613,13 +602,8 @@ class JitFunction:
         subscribes: list[Callable[[Callable[..., None]], None]] = []
         if not entry.compiled_done():
             subscribes.append(entry.on_compiled)
-        seen: set[int] = set()
-        for leaf in leaves:
-            if type(leaf) is AsyncArray:
-                src = leaf._source
-                if src is not None and not src.future.done() and id(src.future) not in seen:
-                    seen.add(id(src.future))
-                    subscribes.append(src.future.add_done_callback)
+        inputs = [leaf for leaf in leaves if type(leaf) is AsyncArray]
+        subscribes += [fut.add_done_callback for fut in pending(map(source_of, inputs)).futures]
         call = _Call(entry, leaves, out)
         if subscribes:
             with _waiting_lock:
