@@ -1,13 +1,14 @@
 """Results to ``jax.Array``s: the conversion every producer shares.
 
 Checks a result against its leaf's declared shape and dtype, casts without
-loss, and hands it to JAX with at most one copy.
+loss, and hands it to JAX copying at most once. Memory something else may
+still write is never aliased: a returned ``HostBuffer`` passes its memory to
+JAX (zero-copy); every other result is copied once (see :func:`place`).
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Any
 
 import jax
@@ -19,9 +20,10 @@ from ._buffer import aligned_array
 from ._core import HostBuffer
 from ._spec import LeafSpecs, Sharding
 
-# A value referenced only by the converting frame's local and getrefcount's argument.
-_EXCLUSIVE_REFS = 2
 _ALIGN = 64
+
+# Results numpy must build a new array from: that array is ours alone.
+_BUILT = (list, tuple, bool, int, float, complex)
 
 
 def _check_cast(src: np.dtype, dst: np.dtype, where: str) -> None:
@@ -101,20 +103,11 @@ def _host_array(value: Any, where: str) -> np.ndarray:
         ) from exc
 
 
-def place(
-    value: Any,
-    exclusive: bool,
-    aval: Any,
-    sharding: Sharding,
-    committed: bool,
-    where: str,
-) -> jax.Array:
+def place(value: Any, aval: Any, sharding: Sharding, committed: bool, where: str) -> jax.Array:
     """Turns one result into the leaf's ``jax.Array``, copying at most once.
 
     Args:
       value: what the function returned for this leaf.
-      exclusive: nothing but the caller holds ``value``, so its memory may be
-        aliased instead of copied.
       aval: the declared shape and dtype.
       sharding: where the array goes.
       committed: whether it is committed there.
@@ -124,33 +117,33 @@ def place(
       ValueError: the shape differs.
       TypeError: a cast across kinds, or not an array at all.
       OverflowError: a value that does not fit the declared dtype.
+
+    Note:
+      Only memory nobody else can reach is aliased: a ``HostBuffer`` (from
+      then on it refuses new writable views), and the array numpy builds from
+      a list or a scalar. A numpy array, or anything viewed through
+      ``__dlpack__`` or ``__array__``, is copied once: whoever made it may
+      keep it (in a cache of weak references, say) and write it later, and
+      no test the library could make (a reference count) says otherwise on
+      every CPython. A ``jax.Array`` is copied once on its device, so its
+      maker may delete or donate it.
     """
     shape, dtype = aval.shape, aval.dtype
     if type(value) is np.ndarray:
-        host = value
+        host, ours = value, False
     elif isinstance(value, jax.Array):
-        return _place_jax_array(value, exclusive, aval, sharding, committed, where)
+        return _place_jax_array(value, aval, sharding, committed, where)
     elif type(value) is HostBuffer:
         if value.shape == shape and value.dtype == dtype and _on_one_cpu(sharding):
             value.mark_exported()
             return _jax_hooks.put_dlpack(value, aval, sharding, committed)
-        host, exclusive = np.asarray(value), False
+        host, ours = np.asarray(value), False
     else:
-        host = _host_array(value, where)
-        if host is not value:
-            # A new array (from a list or scalar) is ours alone; an array some
-            # object hands out through __array__ is still that object's.
-            del value
-            exclusive = sys.getrefcount(host) <= _EXCLUSIVE_REFS
+        host, ours = _host_array(value, where), type(value) in _BUILT
     if host.shape != shape:
         raise ValueError(f"{where}: expected shape {shape}, got {host.shape}")
     if host.dtype == dtype and host.flags.c_contiguous:
-        alias = (
-            exclusive
-            and host.flags.owndata
-            and _on_one_cpu(sharding)
-            and host.__array_interface__["data"][0] % _ALIGN == 0
-        )
+        alias = ours and _on_one_cpu(sharding) and host.__array_interface__["data"][0] % _ALIGN == 0
         return _jax_hooks.put_host(host, aval, sharding, committed, alias)
     # Cast, byte-swap or gather strides in one pass into memory that is ours.
     _check_cast(host.dtype, dtype, where)
@@ -160,18 +153,18 @@ def place(
 
 
 def _place_jax_array(
-    value: jax.Array, exclusive: bool, aval: Any, sharding: Sharding, committed: bool, where: str
+    value: jax.Array, aval: Any, sharding: Sharding, committed: bool, where: str
 ) -> jax.Array:
     if isinstance(value, AsyncArray):
         value = value.result()
     if value.shape != aval.shape:
         raise ValueError(f"{where}: expected shape {aval.shape}, got {value.shape}")
     if value.dtype != aval.dtype:
-        return place(np.asarray(value), False, aval, sharding, committed, where)
+        return place(np.asarray(value), aval, sharding, committed, where)
     if not value.sharding.is_equivalent_to(sharding, len(aval.shape)):
         value = jax.device_put(value, sharding)  # a copy, so ours alone
-    elif not exclusive:
-        value = value.copy()  # the loader may delete or donate its own
+    else:
+        value = value.copy()  # its maker may delete or donate its own
     if len(sharding.device_set) > 1:
         return value
     return _jax_hooks.put_array(value, aval, sharding, committed)
@@ -226,17 +219,11 @@ def structure_error(specs: LeafSpecs, out: Any, cause: Exception) -> ValueError:
     )
 
 
-def convert_one(specs: LeafSpecs, i: int, holder: list[Any]) -> Any:
+def convert_one(specs: LeafSpecs, i: int, value: Any) -> Any:
     """Leaf ``i``'s entry in a ``Source`` list: its ``jax.Array``, or the
-    exception it alone failed with.
-
-    ``holder`` is a one-item list with the leaf's value, taken out here so that
-    this frame holds the only reference and can tell whether it may alias it.
-    """
-    value = holder.pop()
-    exclusive = sys.getrefcount(value) <= _EXCLUSIVE_REFS
+    exception it alone failed with."""
     try:
-        return place(value, exclusive, specs.avals[i], specs.shardings[i], specs.committed[i], "")
+        return place(value, specs.avals[i], specs.shardings[i], specs.committed[i], "")
     except (ValueError, TypeError, OverflowError) as exc:
         return type(exc)(f"{specs.where(i)}{exc}")
     except Exception as exc:
@@ -246,7 +233,12 @@ def convert_one(specs: LeafSpecs, i: int, holder: list[Any]) -> Any:
 
 def convert_results(specs: LeafSpecs, holder: list[Any]) -> list[Any]:
     """The per-leaf list a ``Source`` future holds (see :func:`convert_one`),
-    from a one-item ``holder`` with the whole result."""
+    from a one-item ``holder`` with the whole result.
+
+    The result comes in a list emptied here, and each leaf's value is dropped
+    as soon as it is converted: the loader's arrays are freed one by one as
+    they are copied, not all at the end.
+    """
     out = holder.pop()
     if specs.treedef is None:
         values = [out]
@@ -258,7 +250,7 @@ def convert_results(specs: LeafSpecs, holder: list[Any]) -> list[Any]:
     del out
     results: list[Any] = [None] * len(values)
     for i in range(len(values)):
-        one = [values[i]]
-        values[i] = None
-        results[i] = convert_one(specs, i, one)
+        value, values[i] = values[i], None
+        results[i] = convert_one(specs, i, value)
+        del value
     return results

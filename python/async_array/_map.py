@@ -49,9 +49,9 @@ def _one_source_a_leaf(specs: LeafSpecs, futures: list[_core.Future]) -> list[As
 
 def _run_leaf(fn: Callable[[Any, Any], Any], path: Any, spec: Any, specs: LeafSpecs, i: int):
     with frames_freed:
-        holder = [fn(path, spec)]
+        value = fn(path, spec)
     with jax_work:
-        return [convert_one(specs, i, holder)]
+        return [convert_one(specs, i, value)]
 
 
 def async_map(fn: Callable[[Any, Any], Any], like: Any, *, sharding: Any = None) -> Any:
@@ -123,7 +123,7 @@ def _drive_stream(
                 _LOG.error("%s: yielded key path %s, which like does not have", specs.name, text)
                 continue
             with jax_work:
-                entry = convert_one(specs, i, [value])
+                entry = convert_one(specs, i, value)
             del value
             if not futures[i].set_result([entry]):
                 _LOG.error(

@@ -73,9 +73,10 @@ def async_wrap(
     ``OverflowError`` for a value that does not fit the declared dtype.
 
     Note:
-      A ``HostBuffer`` result, and on CPU a numpy result that is 64-byte
-      aligned, C-contiguous, owns its data and is held by nothing else, reach
-      JAX without a copy. Anything else is copied once.
+      A ``HostBuffer`` result (``aa.empty``) reaches JAX without a copy on
+      CPU: it is the zero-copy route. A numpy result is always copied once,
+      never aliased (``f`` may keep it and write it later); a ``jax.Array``
+      result is copied once on its device (``f`` may delete or donate it).
 
     Examples:
       >>> import time, numpy as np, jax, async_array as aa
