@@ -603,7 +603,9 @@ def test_configure_sets_the_pool_size(pool_size, monkeypatch):
     assert aa.max_workers() == 3
     assert _core.pool_stats()["max_workers"] == 3
     pool_size(None)
-    assert aa.max_workers() == min(32, (os.cpu_count() or 1) + 4)
+    assert (
+        aa.max_workers() == min(32, len(os.sched_getaffinity(0)) + 4) == _core.default_max_workers()
+    )
 
 
 @pytest.mark.parametrize(

@@ -14,13 +14,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _jax_hooks
+from . import _core, _jax_hooks
 from ._array import AsyncArray
 from ._buffer import aligned_array
 from ._core import HostBuffer
 from ._spec import LeafSpecs, Sharding
-
-_ALIGN = 64
 
 # Results numpy must build a new array from: that array is ours alone.
 _BUILT = (list, tuple, bool, int, float, complex)
@@ -143,7 +141,11 @@ def place(value: Any, aval: Any, sharding: Sharding, committed: bool, where: str
     if host.shape != shape:
         raise ValueError(f"{where}: expected shape {shape}, got {host.shape}")
     if host.dtype == dtype and host.flags.c_contiguous:
-        alias = ours and _on_one_cpu(sharding) and host.__array_interface__["data"][0] % _ALIGN == 0
+        alias = (
+            ours
+            and _on_one_cpu(sharding)
+            and host.__array_interface__["data"][0] % _core.ALIGNMENT == 0
+        )
         return _jax_hooks.put_host(host, aval, sharding, committed, alias)
     # Cast, byte-swap or gather strides in one pass into memory that is ours.
     _check_cast(host.dtype, dtype, where)

@@ -16,11 +16,13 @@ ENV_MAX_WORKERS = "ASYNC_ARRAY_MAX_WORKERS"
 
 
 def default_max_workers() -> int:
-    """``$ASYNC_ARRAY_MAX_WORKERS``, else ``min(32, os.cpu_count() + 4)`` (the
-    ``ThreadPoolExecutor`` default: loaders mostly wait on I/O)."""
+    """``$ASYNC_ARRAY_MAX_WORKERS``, else ``min(32, usable CPUs + 4)`` (the
+    ``ThreadPoolExecutor`` rule: loaders mostly wait on I/O). Usable CPUs
+    count the affinity mask and cgroup quota (``_core.default_max_workers``,
+    the one place this rule lives)."""
     raw = os.environ.get(ENV_MAX_WORKERS)
     if raw is None or raw.strip() == "":
-        return min(32, (os.cpu_count() or 1) + 4)
+        return _core.default_max_workers()
     try:
         n = int(raw)
     except ValueError:
