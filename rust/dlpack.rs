@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::Arc;
 
+/// `kDLCPU`: the DLPack device type of host memory.
 pub const KDL_CPU: i32 = 1;
 
 /// DLPack type codes (`DLDataTypeCode`).
@@ -73,8 +74,6 @@ pub struct DLManagedTensorVersioned {
     pub dl_tensor: DLTensor,
 }
 
-const FLAG_READ_ONLY: u64 = 1;
-
 /// What a tensor export keeps alive: the memory and the shape it points at.
 struct Owner {
     _memory: Arc<AlignedBuf>,
@@ -126,7 +125,6 @@ pub struct Export<'a> {
     pub memory: &'a Arc<AlignedBuf>,
     pub shape: &'a [usize],
     pub dtype: DLDataType,
-    pub read_only: bool,
     pub versioned: bool,
 }
 
@@ -155,7 +153,8 @@ pub fn export<'py>(py: Python<'py>, export: Export<'_>) -> PyResult<Bound<'py, P
                 version: DLPackVersion { major: 1, minor: 1 },
                 manager_ctx: std::ptr::null_mut(),
                 deleter: Some(delete_versioned),
-                flags: if export.read_only { FLAG_READ_ONLY } else { 0 },
+                // Not read-only: the consumer (JAX) takes the memory over.
+                flags: 0,
                 dl_tensor: tensor,
             },
             owner,

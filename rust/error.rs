@@ -1,7 +1,13 @@
 //! The core's errors and their one conversion to Python exceptions.
+//!
+//! Every exception the bindings raise themselves is an [`Error`] turned into a
+//! Python exception by the one `From<Error> for PyErr` below; no other file
+//! builds one (clippy's `disallowed-methods` in `clippy.toml` refuses
+//! `PyValueError::new_err` and its kin elsewhere). Exceptions that Python code
+//! raised (a task, an import, a signal handler) pass through unchanged.
 
 use pyo3::exceptions::{
-    PyBufferError, PyMemoryError, PyRuntimeError, PyTimeoutError, PyValueError,
+    PyBufferError, PyMemoryError, PyRuntimeError, PyTimeoutError, PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -9,23 +15,28 @@ use pyo3::types::{PyTraceback, PyType};
 
 /// Everything the core itself can fail with. Exceptions raised by Python code
 /// that a task ran travel as [`TaskError::Python`] and are re-raised unchanged.
+/// The variants that carry a message carry all of it: the call site knows what
+/// was asked and what was wrong.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Error {
-    /// The future was cancelled before it ran.
+    /// The future was cancelled before it ran: `concurrent.futures.CancelledError`.
     Cancelled,
-    /// A wait ran out of time (seconds).
+    /// A wait ran out of time (the timeout, in seconds): `TimeoutError`.
     Timeout(f64),
-    /// Rust code panicked while running a task.
+    /// Rust code panicked while running a task: `RuntimeError`.
     Panic(String),
-    /// The task was running in the parent when `os.fork()` made this process.
+    /// The task was running in the parent when `os.fork()` made this process:
+    /// `RuntimeError`.
     Abandoned,
-    /// The pool is shut down (interpreter exit); nothing new runs.
+    /// The pool is shut down (interpreter exit); nothing new runs: `RuntimeError`.
     ShutDown,
-    /// An argument was out of its domain.
+    /// An argument's value is out of its domain: `ValueError`.
     InvalidArgument(String),
-    /// A buffer export that cannot be honoured.
+    /// An argument or receiver of a type the operation does not take: `TypeError`.
+    WrongType(String),
+    /// A buffer view or DLPack export that cannot be honoured: `BufferError`.
     Buffer(String),
-    /// An allocation of this many bytes failed.
+    /// An allocation of this many bytes of host memory failed: `MemoryError`.
     OutOfMemory(usize),
 }
 
@@ -36,6 +47,8 @@ fn cancelled_error(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
 }
 
 impl From<Error> for PyErr {
+    // The one place that builds the core's own exceptions.
+    #[allow(clippy::disallowed_methods)]
     fn from(err: Error) -> PyErr {
         match err {
             Error::Cancelled => Python::attach(|py| match cancelled_error(py) {
@@ -43,7 +56,7 @@ impl From<Error> for PyErr {
                 Err(e) => e,
             }),
             Error::Timeout(seconds) => {
-                PyTimeoutError::new_err(format!("not finished after {seconds} s"))
+                PyTimeoutError::new_err(format!("async_array: task not finished after {seconds} s"))
             }
             Error::Panic(msg) => {
                 PyRuntimeError::new_err(format!("async_array: Rust panic in a worker: {msg}"))
@@ -56,9 +69,11 @@ impl From<Error> for PyErr {
                 "async_array: the pool is shut down (interpreter exit); nothing new can run",
             ),
             Error::InvalidArgument(msg) => PyValueError::new_err(msg),
+            Error::WrongType(msg) => PyTypeError::new_err(msg),
             Error::Buffer(msg) => PyBufferError::new_err(msg),
             Error::OutOfMemory(bytes) => PyMemoryError::new_err(format!(
-                "async_array: could not allocate {bytes} bytes of 64-byte-aligned host memory"
+                "async_array: could not allocate {bytes} bytes of {}-byte-aligned host memory",
+                crate::buffer::ALIGN
             )),
         }
     }
@@ -107,57 +122,105 @@ impl TaskError {
 mod tests {
     use super::*;
     use pyo3::exceptions::PyException;
+    use pyo3::PyTypeInfo;
 
-    fn raised(err: Error) -> (String, String) {
+    /// Raises `err` as Python would see it; checks that its type is exactly
+    /// `T` and an ordinary `Exception`, and returns its message.
+    fn raised<T: PyTypeInfo>(err: Error) -> String {
         Python::initialize();
         Python::attach(|py| {
             let e: PyErr = err.into();
-            let name = e.get_type(py).name().unwrap().to_string();
+            let ty = e.get_type(py);
             assert!(
-                e.is_instance_of::<PyException>(py),
-                "{name} must be an ordinary Exception"
+                ty.is(T::type_object(py)),
+                "raised {}, expected {}",
+                ty.name().unwrap(),
+                T::type_object(py).name().unwrap()
             );
-            (name, e.value(py).to_string())
+            assert!(e.is_instance_of::<PyException>(py), "an ordinary Exception");
+            e.value(py).to_string()
         })
     }
 
     #[test]
     fn cancelled_is_concurrent_futures_cancelled_error() {
-        let (name, _) = raised(Error::Cancelled);
-        assert_eq!(name, "CancelledError");
+        Python::initialize();
         Python::attach(|py| {
             let e: PyErr = Error::Cancelled.into();
             let cf = py.import("concurrent.futures").unwrap();
             assert!(e.get_type(py).is(cf.getattr("CancelledError").unwrap()));
+            assert!(e.is_instance_of::<PyException>(py));
+            assert_eq!(
+                e.value(py).to_string(),
+                "the task was cancelled before it ran"
+            );
         });
     }
 
     #[test]
-    fn each_core_error_maps_to_its_python_type() {
+    fn timeout_is_timeout_error_with_the_seconds() {
         assert_eq!(
-            raised(Error::Timeout(1.5)),
-            ("TimeoutError".into(), "not finished after 1.5 s".into())
+            raised::<PyTimeoutError>(Error::Timeout(1.5)),
+            "async_array: task not finished after 1.5 s"
         );
-        let (name, msg) = raised(Error::Panic("boom".into()));
-        assert_eq!(name, "RuntimeError");
-        assert!(msg.contains("boom"));
-        let (name, msg) = raised(Error::Abandoned);
-        assert_eq!(name, "RuntimeError");
-        assert!(msg.contains("os.fork()"));
-        let (name, msg) = raised(Error::ShutDown);
-        assert_eq!(name, "RuntimeError");
-        assert!(msg.contains("shut down"));
+    }
+
+    #[test]
+    fn panic_is_runtime_error_with_the_panic_message() {
         assert_eq!(
-            raised(Error::InvalidArgument("bad".into())),
-            ("ValueError".into(), "bad".into())
+            raised::<PyRuntimeError>(Error::Panic("boom".into())),
+            "async_array: Rust panic in a worker: boom"
         );
+    }
+
+    #[test]
+    fn abandoned_is_runtime_error_that_names_fork() {
+        let msg = raised::<PyRuntimeError>(Error::Abandoned);
+        assert!(msg.starts_with("async_array: this task was running in the parent"));
+        assert!(msg.contains("os.fork()"), "{msg}");
+    }
+
+    #[test]
+    fn shut_down_is_runtime_error() {
         assert_eq!(
-            raised(Error::Buffer("no".into())),
-            ("BufferError".into(), "no".into())
+            raised::<PyRuntimeError>(Error::ShutDown),
+            "async_array: the pool is shut down (interpreter exit); nothing new can run"
         );
-        let (name, msg) = raised(Error::OutOfMemory(1 << 50));
-        assert_eq!(name, "MemoryError");
-        assert!(msg.contains(&(1u64 << 50).to_string()));
+    }
+
+    #[test]
+    fn invalid_argument_is_value_error_with_its_message() {
+        assert_eq!(
+            raised::<PyValueError>(Error::InvalidArgument("bad shape".into())),
+            "bad shape"
+        );
+    }
+
+    #[test]
+    fn wrong_type_is_type_error_with_its_message() {
+        assert_eq!(
+            raised::<PyTypeError>(Error::WrongType("len() of a 0-d HostBuffer".into())),
+            "len() of a 0-d HostBuffer"
+        );
+    }
+
+    #[test]
+    fn buffer_is_buffer_error_with_its_message() {
+        assert_eq!(
+            raised::<PyBufferError>(Error::Buffer("read-only".into())),
+            "read-only"
+        );
+    }
+
+    #[test]
+    fn out_of_memory_is_memory_error_with_the_size() {
+        assert_eq!(
+            raised::<PyMemoryError>(Error::OutOfMemory(1 << 50)),
+            format!(
+                "async_array: could not allocate {} bytes of 64-byte-aligned host memory",
+                1u64 << 50
+            )
+        );
     }
 
     #[test]

@@ -5,7 +5,6 @@
 use crate::buffer::{self, AlignedBuf};
 use crate::dlpack::{self, code, DLDataType};
 use crate::error::Error;
-use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -53,10 +52,10 @@ impl ElementType {
             ('c', 8) => (code::COMPLEX, Some(c"Zf")),
             ('c', 16) => (code::COMPLEX, Some(c"Zd")),
             ('V', 2) if is_bfloat16 => (code::BFLOAT, None),
-            _ => return Err(Self::unsupported(dtype)),
+            _ => return Err(Self::unsupported(dtype).into()),
         };
         if !native {
-            return Err(Self::unsupported(dtype));
+            return Err(Self::unsupported(dtype).into());
         }
         Ok(ElementType {
             itemsize,
@@ -65,11 +64,11 @@ impl ElementType {
         })
     }
 
-    fn unsupported(dtype: &Bound<'_, PyAny>) -> PyErr {
+    fn unsupported(dtype: &Bound<'_, PyAny>) -> Error {
         let name = dtype
             .str()
             .map_or_else(|_| "?".to_owned(), |s| s.to_string());
-        PyTypeError::new_err(format!(
+        Error::WrongType(format!(
             "dtype {name} is not supported: a HostBuffer holds bool, int8-int64, \
              uint8-uint64, float16, bfloat16, float32, float64, complex64 or \
              complex128, in native byte order"
@@ -115,9 +114,10 @@ impl HostBuffer {
         let element = ElementType::of(&dtype)?;
         let itemsize = element.itemsize;
         if shape.iter().any(|&d| d < 0) {
-            return Err(PyValueError::new_err(format!(
+            return Err(Error::InvalidArgument(format!(
                 "HostBuffer: negative dimension in shape {shape:?}"
-            )));
+            ))
+            .into());
         }
         let shape: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
         let nbytes = shape
@@ -125,7 +125,7 @@ impl HostBuffer {
             .try_fold(itemsize, |acc, &d| acc.checked_mul(d))
             .filter(|&n| n <= isize::MAX as usize)
             .ok_or_else(|| {
-                PyValueError::new_err(format!(
+                Error::InvalidArgument(format!(
                     "HostBuffer of shape {shape:?} and itemsize {itemsize} overflows the address space"
                 ))
             })?;
@@ -204,11 +204,11 @@ impl HostBuffer {
         self.exported.store(true, Ordering::Release);
     }
 
-    fn __len__(&self) -> PyResult<usize> {
+    fn __len__(&self) -> Result<usize, Error> {
         self.shape
             .first()
             .copied()
-            .ok_or_else(|| pyo3::exceptions::PyTypeError::new_err("len() of a 0-d HostBuffer"))
+            .ok_or_else(|| Error::WrongType("len() of a 0-d HostBuffer".into()))
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
@@ -237,21 +237,26 @@ impl HostBuffer {
     ) -> PyResult<Bound<'py, PyAny>> {
         let this = slf.get();
         if stream.is_some_and(|s| !s.is_none()) {
-            return Err(PyBufferError::new_err(
-                "HostBuffer.__dlpack__: host memory takes no stream; pass stream=None",
-            ));
+            return Err(Error::Buffer(
+                "HostBuffer.__dlpack__: host memory takes no stream; pass stream=None".into(),
+            )
+            .into());
         }
         if let Some(dev) = dl_device {
-            if dev != (dlpack::KDL_CPU, 0) {
-                return Err(PyBufferError::new_err(format!(
-                    "HostBuffer.__dlpack__: memory is on the CPU (device (1, 0)); dl_device={dev:?} asks for another"
-                )));
+            let cpu = (dlpack::KDL_CPU, 0);
+            if dev != cpu {
+                return Err(Error::Buffer(format!(
+                    "HostBuffer.__dlpack__: memory is on the CPU (device {cpu:?}); dl_device={dev:?} asks for another"
+                ))
+                .into());
             }
         }
         if copy == Some(true) {
-            return Err(PyBufferError::new_err(
-                "HostBuffer.__dlpack__: copy=True is not offered; copy with np.array(buf) instead",
-            ));
+            return Err(Error::Buffer(
+                "HostBuffer.__dlpack__: copy=True is not offered; copy with np.array(buf) instead"
+                    .into(),
+            )
+            .into());
         }
         this.mark_exported();
         dlpack::export(
@@ -260,7 +265,6 @@ impl HostBuffer {
                 memory: &this.memory,
                 shape: &this.shape,
                 dtype: this.dl_dtype,
-                read_only: false,
                 versioned: max_version.is_some_and(|(major, _)| major >= 1),
             },
         )
@@ -291,11 +295,12 @@ impl HostBuffer {
             let wanted = np.getattr("dtype")?.call1((wanted,))?;
             if !wanted.eq(this.dtype.bind(py))? {
                 if copy == Some(false) {
-                    return Err(PyValueError::new_err(format!(
+                    return Err(Error::InvalidArgument(format!(
                         "HostBuffer: a {} view of {} memory needs a copy, and copy=False forbids one",
                         wanted.str()?,
                         this.dtype.bind(py).str()?
-                    )));
+                    ))
+                    .into());
                 }
                 return array.call_method1("astype", (wanted,));
             }
@@ -320,21 +325,24 @@ impl HostBuffer {
     ) -> PyResult<()> {
         let this = slf.get();
         if view.is_null() {
-            return Err(PyBufferError::new_err("HostBuffer: no view to fill"));
+            return Err(Error::Buffer("HostBuffer: no view to fill".into()).into());
         }
         let writable = flags & ffi::PyBUF_WRITABLE != 0;
         let exported = this.exported();
         if writable && exported {
-            return Err(PyBufferError::new_err(
+            return Err(Error::Buffer(
                 "HostBuffer was handed to JAX (zero-copy) and is now read-only; \
-                 allocate a new buffer with async_array.empty() to write",
-            ));
+                 allocate a new buffer with async_array.empty() to write"
+                    .into(),
+            )
+            .into());
         }
         let typed = flags & ffi::PyBUF_FORMAT != 0;
         if typed && this.format.is_none() {
-            return Err(PyBufferError::new_err(
-                "HostBuffer: this dtype has no PEP 3118 format; use np.asarray(buf)",
-            ));
+            return Err(Error::Buffer(
+                "HostBuffer: this dtype has no PEP 3118 format; use np.asarray(buf)".into(),
+            )
+            .into());
         }
         // SAFETY: `view` is non-null (checked); every pointer stored in it
         // points into `this`, which the view keeps alive through `obj`.

@@ -10,6 +10,8 @@ pub mod hostbuffer;
 pub mod locks;
 pub mod pool;
 pub mod pyfuture;
+pub mod runtime;
+pub mod task;
 pub mod wait;
 
 use pyo3::prelude::*;
@@ -17,17 +19,20 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("ALIGNMENT", buffer::ALIGN)?;
+    m.add("DLPACK_CPU", dlpack::KDL_CPU)?;
     m.add_class::<pyfuture::PyFuture>()?;
     m.add_class::<pyfuture::Watcher>()?;
     m.add_class::<hostbuffer::HostBuffer>()?;
-    m.add_function(wrap_pyfunction!(pyfuture::submit, m)?)?;
-    m.add_function(wrap_pyfunction!(pyfuture::submit_many, m)?)?;
+    m.add_function(wrap_pyfunction!(task::submit, m)?)?;
+    m.add_function(wrap_pyfunction!(task::submit_many, m)?)?;
+    m.add_function(wrap_pyfunction!(task::_submit_rust_panic, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::wait_all, m)?)?;
-    m.add_function(wrap_pyfunction!(pyfuture::configure, m)?)?;
-    m.add_function(wrap_pyfunction!(pyfuture::pool_stats, m)?)?;
-    m.add_function(wrap_pyfunction!(pyfuture::shutdown, m)?)?;
-    m.add_function(wrap_pyfunction!(pyfuture::_after_fork_child, m)?)?;
-    m.add_function(wrap_pyfunction!(pyfuture::_submit_rust_panic, m)?)?;
+    m.add_function(wrap_pyfunction!(runtime::configure, m)?)?;
+    m.add_function(wrap_pyfunction!(runtime::default_max_workers, m)?)?;
+    m.add_function(wrap_pyfunction!(runtime::pool_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(runtime::shutdown, m)?)?;
+    m.add_function(wrap_pyfunction!(runtime::_after_fork_child, m)?)?;
     m.add_function(wrap_pyfunction!(hostbuffer::live_host_buffers, m)?)?;
     Ok(())
 }

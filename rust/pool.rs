@@ -416,7 +416,7 @@ mod tests {
 
     impl Counter {
         fn add(&self, delta: isize) -> usize {
-            let mut n = self.n.lock().unwrap();
+            let mut n = lock(&self.n);
             *n = n.checked_add_signed(delta).unwrap();
             self.changed.notify_all();
             *n
@@ -424,12 +424,16 @@ mod tests {
 
         /// Waits until the count satisfies `done`; panics, naming `what`, after `WAIT`.
         fn wait_for(&self, what: &str, done: impl Fn(usize) -> bool) -> usize {
-            let n = self.n.lock().unwrap();
-            let (n, timeout) = self
-                .changed
-                .wait_timeout_while(n, WAIT, |n| !done(*n))
-                .unwrap();
-            assert!(!timeout.timed_out(), "gave up waiting for {what}: {}", *n);
+            let deadline = Instant::now() + WAIT;
+            let mut n = lock(&self.n);
+            while !done(*n) {
+                assert!(
+                    Instant::now() < deadline,
+                    "gave up waiting for {what}: {}",
+                    *n
+                );
+                n = wait_once(&self.changed, n, Some(deadline));
+            }
             *n
         }
     }
@@ -480,7 +484,7 @@ mod tests {
             .map(|i| {
                 let order = Arc::clone(&order);
                 submit(&pool, move || {
-                    order.lock().unwrap().push(i);
+                    lock(&order).push(i);
                     i * 2
                 })
             })
@@ -488,7 +492,7 @@ mod tests {
         for (i, f) in fs.iter().enumerate() {
             assert_eq!(value(f), i * 2);
         }
-        assert_eq!(*order.lock().unwrap(), (0..100).collect::<Vec<_>>());
+        assert_eq!(*lock(&order), (0..100).collect::<Vec<_>>());
         assert_eq!(pool.stats().spawned_total, 1);
     }
 
@@ -500,13 +504,13 @@ mod tests {
         let busy = Arc::new(Counter::default());
         let peak = Arc::new(AtomicUsize::new(0));
         let gate = Arc::new(Mutex::new(()));
-        let held = gate.lock().unwrap();
+        let held = lock(&gate);
         let fs: Vec<F> = (0..30)
             .map(|_| {
                 let (busy, peak, gate) = (Arc::clone(&busy), Arc::clone(&peak), Arc::clone(&gate));
                 submit(&pool, move || {
                     peak.fetch_max(busy.add(1), Ordering::SeqCst);
-                    drop(gate.lock().unwrap());
+                    drop(lock(&gate));
                     busy.add(-1);
                     0
                 })
@@ -546,10 +550,10 @@ mod tests {
         for _ in 0..3 {
             let pool = Pool::new("t", 2);
             let gate = Arc::new(Mutex::new(()));
-            let held = gate.lock().unwrap();
+            let held = lock(&gate);
             let g = Arc::clone(&gate);
             let busy = submit(&pool, move || {
-                drop(g.lock().unwrap());
+                drop(lock(&g));
                 0
             });
             let unblock = F::new();
@@ -637,7 +641,7 @@ mod tests {
         impl Job for Stuck {
             fn run(self: Box<Self>) {
                 self.0.set_running();
-                drop(self.1.lock().unwrap());
+                drop(lock(&self.1));
             }
             fn cancel(self: Box<Self>) {
                 self.0.cancel();
@@ -654,7 +658,7 @@ mod tests {
         }
         let pool = Pool::new("t", 1);
         let gate = Arc::new(Mutex::new(()));
-        let held = gate.lock().unwrap();
+        let held = lock(&gate);
         let stuck = F::new();
         pool.submit(Box::new(Stuck(stuck.clone(), Arc::clone(&gate))))
             .unwrap();
@@ -675,10 +679,10 @@ mod tests {
     fn shutdown_cancels_queued_and_refuses_new() {
         let pool = Pool::new("t", 1);
         let gate = Arc::new(Mutex::new(()));
-        let held = gate.lock().unwrap();
+        let held = lock(&gate);
         let g = Arc::clone(&gate);
         let running = submit(&pool, move || {
-            drop(g.lock().unwrap());
+            drop(lock(&g));
             1
         });
         let queued = submit(&pool, || 2);
@@ -766,12 +770,12 @@ mod tests {
     fn resizing_starts_threads_for_queued_work() {
         let pool = Pool::new("t", 1);
         let gate = Arc::new(Mutex::new(()));
-        let held = gate.lock().unwrap();
+        let held = lock(&gate);
         let fs: Vec<F> = (0..4)
             .map(|i| {
                 let g = Arc::clone(&gate);
                 submit(&pool, move || {
-                    drop(g.lock().unwrap());
+                    drop(lock(&g));
                     i
                 })
             })

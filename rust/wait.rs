@@ -5,8 +5,8 @@
 //! so that Ctrl-C interrupts a wait of any length. On a pool worker it also tells
 //! the pool the worker is blocked, so the pool can start a stand-in.
 
+use crate::error::Error;
 use crate::pool::Pool;
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::time::{Duration, Instant};
 
@@ -15,11 +15,11 @@ pub const SLICE: Duration = Duration::from_millis(50);
 
 /// A timeout in seconds as Python gives it: `None` waits forever, negative
 /// counts as zero (as `concurrent.futures` does).
-pub fn deadline_after(timeout: Option<f64>) -> PyResult<Option<Instant>> {
+pub fn deadline_after(timeout: Option<f64>) -> Result<Option<Instant>, Error> {
     match timeout {
         None => Ok(None),
-        Some(t) if t.is_nan() => Err(PyValueError::new_err(
-            "timeout must be a number of seconds or None, got nan",
+        Some(t) if t.is_nan() => Err(Error::InvalidArgument(
+            "timeout must be a number of seconds or None, got nan".into(),
         )),
         Some(t) => Ok(Duration::try_from_secs_f64(t.max(0.0))
             .ok()

@@ -27,6 +27,14 @@ import pytest  # noqa: E402
 
 import async_array as aa  # noqa: E402
 
+# Every dtype a leaf may have: JAX's array dtypes (bfloat16 from ml_dtypes, as in JAX).
+DTYPES = [
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+    np.uint64, np.float16, jax.numpy.bfloat16, np.float32, np.float64, np.complex64,
+    np.complex128,
+]  # fmt: skip
+DTYPE_IDS = [np.dtype(d).name for d in DTYPES]
+
 # The bound of every wait for a state: long enough for a loaded 2-core machine
 # (a healthy run takes milliseconds); reaching it is a failure, not a slow pass.
 WAIT = 30
@@ -125,6 +133,8 @@ def async_array_log():
 
 @pytest.fixture
 def pool_size():
-    """Sets the pool size for one test (``pool_size(n)``), restoring the default after."""
+    """``aa.configure`` for one test (``pool_size(n)``); the pool's size from
+    before the test is restored afterwards."""
+    before = aa.max_workers()
     yield aa.configure
-    aa.configure()
+    aa.configure(before)

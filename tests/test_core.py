@@ -26,14 +26,6 @@ import async_array as aa
 from async_array import _core
 
 
-@pytest.fixture
-def pool_size():
-    """``aa.configure`` for one test; the pool's size is restored afterwards."""
-    before = aa.max_workers()
-    yield aa.configure
-    aa.configure(before)
-
-
 def spawn(code: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Starts ``code`` in a fresh interpreter, in its own process group (so that
     a hung forked grandchild is killed with it)."""
@@ -552,30 +544,7 @@ def test_fork_child_can_submit_and_wait():
     assert "Traceback" not in proc.stderr, proc.stderr
 
 
-# -- GIL release, signals -------------------------------------------------------------
-
-
-def test_two_threads_waiting_release_the_gil(pool_size):
-    # The waiting threads are pool workers: a worker inside a wait stops
-    # counting against max_workers, so with two workers (the two waiters) work
-    # queued behind them starts only on a stand-in, one per waiter inside its
-    # wait. `second` starts once both wait (`first` keeps the first stand-in
-    # until then) and completes their futures by running Python, which a wait
-    # holding the GIL would forbid: the waits would give up after WAIT s.
-    pool_size(2)
-    boxes = [_core.Future() for _ in range(2)]
-    waiters = [_core.submit(box.result, WAIT) for box in boxes]
-    both_wait = threading.Event()
-    first = _core.submit(wait_for, both_wait, "a stand-in for the second waiter")
-
-    def second():
-        both_wait.set()
-        for i, box in enumerate(boxes):
-            box.set_result(i)
-
-    opener = _core.submit(second)
-    assert [w.result(WAIT) for w in waiters] == [0, 1]
-    assert (first.result(WAIT), opener.result(WAIT)) == (None, None)
+# -- signals (GIL release: test_array.py) ----------------------------------------------
 
 
 # The SIGINT is sent once another thread sees the main thread inside
@@ -677,7 +646,9 @@ def test_configure_sets_the_pool_size(pool_size, monkeypatch):
     assert aa.max_workers() == 3
     assert _core.pool_stats()["max_workers"] == 3
     pool_size(None)
-    assert aa.max_workers() == min(32, (os.cpu_count() or 1) + 4)
+    assert (
+        aa.max_workers() == min(32, len(os.sched_getaffinity(0)) + 4) == _core.default_max_workers()
+    )
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import WAIT, Gate
+from conftest import WAIT, Gate, wait_for
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import async_array as aa
+from async_array import _core
 
 
 def loaded(value, dtype=None):
@@ -175,15 +176,35 @@ def test_same_avals_neither_trace_nor_compile_again():
 
 
 def test_concurrent_calls_share_one_pending_compile():
+    # Five calls while the first compile runs: one trace, one lowering, one compilation.
     traces = []
     gate = Gate(np.arange(4, dtype=np.float32))
     x = gate.leaf()
     f = aa.jit(lambda v: (traces.append(1), v + 1)[1])
+    with Compiles() as compiles:
+        outs = [f(x) for _ in range(5)]
+        gate.open()
+        for out in outs:
+            np.testing.assert_array_equal(out, [1, 2, 3, 4])
+    assert len(traces) == 1
+    assert compiles.count == 1
+    assert compiles.lowered == 1
+
+
+def test_calls_during_a_compile_share_its_one_pool_task(pool_size):
+    # JAX shares one program's concurrent compiles itself, but each caller
+    # waits inside JAX on its own thread: calls made while a program compiles
+    # must not each hold a pool worker. The one worker runs the loader, so
+    # the compile is still queued after the calls: one task for five calls.
+    pool_size(1)
+    gate, x = pending(np.arange(4, dtype=np.float32))
+    wait_for(gate.started, "the loader to start")
+    f = aa.jit(lambda v: v - 1)
     outs = [f(x) for _ in range(5)]
+    assert _core.pool_stats()["queued"] == 1
     gate.open()
     for out in outs:
-        np.testing.assert_array_equal(out, [1, 2, 3, 4])
-    assert len(traces) == 1
+        np.testing.assert_array_equal(out, [-1, 0, 1, 2])
 
 
 def test_threads_calling_at_once_get_their_own_values():

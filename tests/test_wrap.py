@@ -9,10 +9,9 @@ import weakref
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
-from conftest import WAIT, Gate, wait_for
+from conftest import DTYPE_IDS, DTYPES, WAIT, Gate, wait_for
 
 import async_array as aa
 
@@ -116,11 +115,6 @@ def test_many_threads_waiting_on_one_leaf_run_f_once():
 
 # -- dtypes and shapes ---------------------------------------------------------
 
-ALL_DTYPES = [
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-    np.uint64, np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.complex64,
-    np.complex128,
-]  # fmt: skip
 X64_ONLY = {np.int64, np.uint64, np.float64, np.complex128}
 SHAPES = [(), (0,), (2, 0, 3), (3, 4)]
 
@@ -135,7 +129,7 @@ def _values(dtype, shape):
 
 @pytest.mark.parametrize("x64", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_every_dtype_and_shape(dtype, shape, x64):
     value = _values(dtype, shape)
     with jax.enable_x64(x64):

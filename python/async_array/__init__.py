@@ -6,7 +6,7 @@ leaves at once, ``jax.jit`` compiles the computation that uses them while the
 function still runs, and only reading a value waits.
 """
 
-from . import _core
+from . import _core, _jax_hooks, _tree
 from ._array import AsyncArray
 from ._buffer import empty
 from ._core import HostBuffer
@@ -24,6 +24,11 @@ from ._tree import (
     wait,
 )
 from ._wrap import async_wrap
+
+# The one registration with JAX (a no-op where its hooks are missing):
+# jax.jit traces an AsyncArray from its aval and, at dispatch, resolves every
+# AsyncArray argument of the call in one wait.
+_jax_hooks.install(AsyncArray, _tree.resolve_all)
 
 __version__ = _core.__version__
 

@@ -4,181 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import copy
 import functools
-import gc
 import inspect
 import logging
 import math
-from collections.abc import Callable, Generator, Sequence
-from types import TracebackType
+import operator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _core, _jax_hooks
+from . import _jax_hooks
+from ._source import Source
+from ._spec import default_sharding
 
 _LOG = logging.getLogger("async_array")
-
-# A leaf's exception, the traceback it left its task with, and its notes then.
-_LeafError = tuple[BaseException, TracebackType | None, list[str]]
-
-
-class Source:
-    """One task's output shared by its leaves (an ``async_wrap`` call, one
-    ``aa.jit`` dispatch, ...). The task's future holds a list with one entry
-    per leaf: a ``jax.Array``, or the exception that leaf alone failed with.
-    If the task itself raised, every leaf raises that exception.
-
-    Args:
-      future: the ``_core.Future`` of the task.
-      name: how messages name the call, e.g. ``"async_wrap(load_weights)"``.
-      leaf_count: number of leaves.
-      key_path: ``key_path(offset + i)`` is leaf ``i``'s key path as text;
-        called only to build a message. One callable can serve the sources of
-        a whole tree (one source a leaf, each with its own ``offset``).
-      offset: added to a leaf's index to look up its key path.
-    """
-
-    __slots__ = (
-        "future",
-        "key_path",
-        "leaf_count",
-        "leaf_errors",
-        "name",
-        "offset",
-        "retrieved",
-    )
-
-    def __init__(
-        self,
-        future: _core.Future,
-        name: str,
-        leaf_count: int,
-        key_path: Callable[[int], str],
-        offset: int = 0,
-    ) -> None:
-        self.future = future
-        self.name = name
-        self.leaf_count = leaf_count
-        self.key_path = key_path
-        self.offset = offset
-        self.retrieved = False
-        self.leaf_errors: dict[int, _LeafError] | None = None
-
-    def where(self, index: int) -> str:
-        path = self.key_path(self.offset + index)
-        return f"{self.name} leaf {path}" if path else f"{self.name} result"
-
-    def error(self, index: int) -> tuple[BaseException, TracebackType | None] | None:
-        """Leaf ``index``'s exception and the traceback to raise it with, or
-        None; the future must be done. Each call restores the exception's
-        notes and the caller raises with that traceback, so neither grows
-        with repeated uses (JAX adds a note whenever one passes through jit)."""
-        fut = self.future
-        if fut.cancelled():
-            return (
-                concurrent.futures.CancelledError(f"{self.where(index)}: cancelled before it ran"),
-                None,
-            )
-        errors = self.leaf_errors
-        found = errors.get(index) if errors is not None else None
-        if found is None:
-            exc = fut.exception(0)
-            if exc is not None:
-                # Same object for a single leaf; for a tree, a shallow copy per
-                # leaf (same type, args, traceback, cause) so notes never mix.
-                leaf_exc = exc if self.leaf_count == 1 else _shallow_copy(exc)
-                leaf_exc.add_note(f"async_array: raised in {self.where(index)}")
-                tb = exc.__traceback__
-            else:
-                value = fut.result(0)[index]
-                if not isinstance(value, BaseException):
-                    return None
-                leaf_exc, tb = value, None
-            found = (leaf_exc, tb, list(getattr(leaf_exc, "__notes__", ())))
-            if errors is None:
-                errors = self.leaf_errors = {}
-            errors[index] = found
-        leaf_exc, tb, notes = found
-        leaf_exc.__notes__ = list(notes)
-        return leaf_exc, tb
-
-    def value(self, index: int, timeout: float | None) -> jax.Array:
-        """Waits (GIL released) and returns leaf ``index``'s ``jax.Array``."""
-        fut = self.future
-        values = fut.peek()
-        if values is not None:
-            value = values[index]
-            if not isinstance(value, BaseException):
-                if self.leaf_count == 1:
-                    self.retrieved = True  # nothing left to report at collection
-                return value
-        elif not fut.done() and not fut.wait(timeout):
-            raise TimeoutError(f"{self.where(index)}: not ready after {timeout} s")
-        failed = self.error(index)
-        if failed is not None:
-            self.retrieved = True
-            exc, tb = failed
-            raise exc.with_traceback(tb)
-        return fut.result(0)[index]
-
-    def __del__(self) -> None:
-        # As asyncio does: an exception nobody retrieved is logged, not lost;
-        # if the task still runs, once it ends.
-        try:
-            if not self.retrieved:
-                if self.future.done():
-                    _log_unretrieved(self.name, self.future)
-                else:
-                    self.future.add_done_callback(functools.partial(_log_unretrieved, self.name))
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
-
-
-def _log_unretrieved(name: str, fut: _core.Future) -> None:
-    """Logs the exception of a finished task whose leaves are all gone."""
-    values = fut.peek()
-    if values is not None:
-        exc = next((v for v in values if isinstance(v, BaseException)), None)
-    elif fut.cancelled():
-        return
-    else:
-        exc = fut.exception(0)
-    if exc is not None:
-        _LOG.error(
-            "async_array: %s failed and no leaf's exception was ever retrieved",
-            name,
-            exc_info=exc,
-        )
-
-
-def _shallow_copy(exc: BaseException) -> BaseException:
-    try:
-        dup = copy.copy(exc)
-    except Exception:
-        return exc
-    dup.__traceback__ = exc.__traceback__
-    dup.__cause__ = exc.__cause__
-    dup.__context__ = exc.__context__
-    dup.__suppress_context__ = exc.__suppress_context__
-    if hasattr(exc, "__notes__"):
-        dup.__notes__ = list(exc.__notes__)
-    return dup
-
-
-_default_sharding: jax.sharding.Sharding | None = None
-
-
-def default_sharding() -> jax.sharding.Sharding:
-    """Where a leaf lands when no sharding is given: the default device,
-    uncommitted, as ``jnp.asarray`` of a numpy array would."""
-    global _default_sharding
-    if _default_sharding is None:
-        _default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return _default_sharding
 
 
 class AsyncArray(jax.Array):
@@ -494,51 +335,13 @@ for _name in sorted(set(dir(_ArrayImpl)) | set(_CONCRETE_ONLY)):
         setattr(AsyncArray, _name, _forward_property(_name))
 
 
-def not_ready(caller: str, leaves: Sequence[AsyncArray], timeout: float | None) -> TimeoutError:
-    """A TimeoutError naming how many of ``leaves`` are pending, and the first."""
-    pending = [leaf for leaf in leaves if not leaf.done()]
-    first = pending[0]._source.where(pending[0]._index) if pending else "none"
-    count = f"{len(pending)} leaf" if len(pending) == 1 else f"{len(pending)} leaves"
-    return TimeoutError(f"{caller}: {count} not ready after {timeout} s (the first: {first})")
+#: The shared output a leaf still reads its value from (``source_of(leaf)``),
+#: or None once the value is cached on the leaf. A C-level getter: bulk waits
+#: call it once a leaf.
+source_of: Callable[[AsyncArray], Source | None] = operator.attrgetter("_source")
 
 
-def resolve_all(
-    leaves: Sequence[Any], timeout: float | None = None, caller: str = "jax.jit dispatch"
-) -> list[Any]:
-    """The value of every leaf, after one GIL-free wait for all pending tasks.
-
-    ``AsyncArray`` leaves become ``jax.Array``; others pass through.
-
-    Raises:
-      TimeoutError: some leaf not ready within ``timeout`` seconds.
-      Exception: the first failed leaf's exception.
-    """
-    with paused_gc():
-        pending: dict[int, Any] = {}
-        for leaf in leaves:
-            if type(leaf) is AsyncArray:
-                source = leaf._source
-                if source is not None:
-                    fut = source.future
-                    if id(fut) not in pending and not fut.done():
-                        pending[id(fut)] = fut
-        if pending and not _core.wait_all(list(pending.values()), timeout):
-            raise not_ready(caller, [leaf for leaf in leaves if type(leaf) is AsyncArray], timeout)
-        return [leaf.result() if type(leaf) is AsyncArray else leaf for leaf in leaves]
-
-
-@contextlib.contextmanager
-def paused_gc() -> Generator[None, None, None]:
-    """Pauses the cyclic garbage collector while a tree's leaves are made or
-    resolved in bulk: they are acyclic, and collections triggered by the
-    allocation count alone cost several microseconds a leaf on large trees."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-_jax_hooks.install(AsyncArray, resolve_all)
+def where_of(leaf: AsyncArray) -> str:
+    """How messages name a pending leaf: its call and key path."""
+    source = leaf._source
+    return "a ready leaf" if source is None else source.where(leaf._index)

@@ -2,31 +2,12 @@
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import numpy as np
 
 from ._core import HostBuffer
-
-
-def _shape_tuple(shape: Any, where: str) -> tuple[int, ...]:
-    try:
-        dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    except TypeError:
-        raise TypeError(
-            f"{where}: shape must be an integer or a tuple of them, got {shape!r}"
-        ) from None
-    out = []
-    for d in dims:
-        try:
-            d = operator.index(d)
-        except TypeError:
-            raise TypeError(f"{where}: shape must hold integers, got {shape!r}") from None
-        if d < 0:
-            raise ValueError(f"{where}: negative dimension in shape {tuple(dims)}")
-        out.append(d)
-    return tuple(out)
+from ._spec import shape_tuple
 
 
 def empty(shape: int | tuple[int, ...], dtype: Any) -> HostBuffer:
@@ -63,7 +44,7 @@ def empty(shape: int | tuple[int, ...], dtype: Any) -> HostBuffer:
       >>> float(np.asarray(buf).sum())
       9.0
     """
-    dims = _shape_tuple(shape, "aa.empty")
+    dims = shape_tuple(shape, "aa.empty")
     try:
         dt = np.dtype(dtype)
     except TypeError as exc:

@@ -8,6 +8,8 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 __all__ = [
+    "ALIGNMENT",
+    "DLPACK_CPU",
     "Future",
     "HostBuffer",
     "Watcher",
@@ -15,6 +17,7 @@ __all__ = [
     "_after_fork_child",
     "_submit_rust_panic",
     "configure",
+    "default_max_workers",
     "live_host_buffers",
     "pool_stats",
     "shutdown",
@@ -24,6 +27,10 @@ __all__ = [
 ]
 
 __version__: str
+# Alignment in bytes of every HostBuffer (64: XLA's CPU client aliases such memory).
+ALIGNMENT: int
+# DLPack's device type of host memory (kDLCPU, 1).
+DLPACK_CPU: int
 
 @final
 class Future:
@@ -93,6 +100,10 @@ def submit(func: Callable[..., Any], *args: Any) -> Future: ...
 def submit_many(func: Callable[..., Any], args_list: list[tuple[Any, ...]]) -> list[Future]: ...
 def wait_all(futures: list[Future], timeout: float | None = None) -> bool: ...
 def configure(max_workers: int) -> None: ...
+
+# min(32, cpus + 4), cpus being the CPUs this process may use: its affinity mask and
+# cgroup quota count (os.cpu_count() ignores both). The pool's size when none is configured.
+def default_max_workers() -> int: ...
 def pool_stats() -> dict[str, int]: ...
 def shutdown() -> None: ...
 def live_host_buffers() -> int: ...

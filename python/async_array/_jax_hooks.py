@@ -37,6 +37,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _core
+
 ENV_DISABLE = "ASYNC_ARRAY_DISABLE_JAX_HOOKS"
 
 #: Every private name used here: what it is for, and whether ``jax.jit`` on an
@@ -318,9 +320,6 @@ def put_host(host: np.ndarray, aval: Any, sharding: Any, committed: bool, alias:
     return put(aval, sharding, shards, devices, committed, False, semantics)
 
 
-_KDL_CPU = 1
-
-
 def put_dlpack(buf: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array:
     """Hands a CPU DLPack producer (a ``HostBuffer``) of the leaf's dtype and
     shape to JAX without a copy, on ``sharding``'s single CPU device.
@@ -337,7 +336,7 @@ def put_dlpack(buf: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array
     to_buffer, nargs = _dlpack
     (device,) = sharding.device_set
     capsule = buf.__dlpack__(stream=None)
-    args = (capsule, device, None, False, _KDL_CPU)[:nargs]
+    args = (capsule, device, None, False, _core.DLPACK_CPU)[:nargs]
     array = to_buffer(*args)
     return _ArrayImpl(aval, sharding, [array], committed=committed, _skip_checks=True)
 

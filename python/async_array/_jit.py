@@ -6,32 +6,37 @@ returns ``AsyncArray`` outputs right after tracing: compilation runs on the
 pool, and the compiled program runs on the pool once every input is ready and
 compilation is done. Public JAX API only:
 ``jax.jit(f).trace(specs).lower().compile()``.
+
+JAX owns the traces and the compiled programs: its own caches answer a repeat
+``trace``, ``lower`` and ``compile`` of the same function, avals and settings
+in about 0.1 ms, and threads compiling one program at once share one compile.
+This module keeps only what JAX cannot: the compilations still running, so
+that the calls made while a program compiles share one pool task, instead of
+each holding a pool worker (that loaders need) inside JAX for the whole compile.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 import logging
 import threading
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _core
-from ._array import AsyncArray, Source, _ArrayImpl, _shallow_copy
+from . import _core, _jax_hooks
+from ._array import AsyncArray, source_of
+from ._errors import frames_freed, free_frames, noted
 from ._pool import exit_hooks, jax_work
-from ._wrap import qualname
+from ._source import Source, pending
+from ._spec import qualname
 
 _Sharding = jax.sharding.Sharding
 _keystr = jax.tree_util.keystr
-
-#: Compiled programs kept per ``aa.jit`` function (least recently used go first).
-CACHE_SIZE = 1024
+_ArrayImpl = _jax_hooks.array_type()
 
 _LOG = logging.getLogger("async_array")
 
@@ -94,35 +99,16 @@ def _in_shardings_devices(in_shardings: Any) -> frozenset[Any] | None:
     return frozenset(d for s in leaves for d in s.device_set)
 
 
-_CONFIG_NAMES = (
-    "jax_enable_x64",
-    "jax_default_device",
-    "jax_default_matmul_precision",
-    "jax_numpy_rank_promotion",
-    "jax_numpy_dtype_promotion",
-)
-
-
-def _config_key() -> tuple[Any, ...]:
-    # The settings that change what a trace produces; jax.jit keys on them too.
-    config = jax.config
-    return (*(getattr(config, name) for name in _CONFIG_NAMES), jax.sharding.get_abstract_mesh())
-
-
 def _describe(spec: tuple[Any, ...]) -> str:
     shape, dtype, weak, sharding = spec
     text = f"{'~' if weak else ''}{np.dtype(dtype).name}{list(shape)}"
     return text if sharding is None else f"{text} on {sharding}"
 
 
-def _noted(exc: BaseException, note: str) -> BaseException:
-    """A copy of ``exc`` (same type, args, traceback) with ``note`` added, so
-    notes of different calls sharing one exception never mix."""
-    dup = _shallow_copy(exc)
-    if dup is exc:  # not copyable: notes land on the original
-        dup = exc
-    dup.add_note(note)
-    return dup
+def _meshless(aval: Any) -> bool:
+    """Whether an output's type names no mesh (False where JAX's avals do not say)."""
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    return getattr(mesh, "empty", False) is True
 
 
 def _input_paths(owner: JitFunction, dyn_pos: tuple[int, ...], in_tree: Any) -> list[str]:
@@ -139,20 +125,72 @@ def _input_paths(owner: JitFunction, dyn_pos: tuple[int, ...], in_tree: Any) -> 
     return paths
 
 
-class _Entry:
-    """One trace and its compilation, shared by every call with the same input
-    avals, shardings and static arguments."""
+class _Compile:
+    """One compilation running on the pool, shared by every call that needs
+    the same program meanwhile. Its future's one callback runs every waiter,
+    so they all run inside the compile's count in ``jax_work``."""
+
+    __slots__ = ("_lock", "_waiters", "future", "jaxpr")
+
+    def __init__(self, traced: Any) -> None:
+        self.jaxpr = traced.jaxpr  # the table's key holds its id: keep it alive meanwhile
+        self._lock = threading.Lock()
+        self._waiters: list[Callable[[], None]] | None = []
+        jax_work.enter()
+        try:
+            self.future = _core.submit(_compile, traced)
+        except BaseException:
+            jax_work.leave()
+            raise
+
+    def watch(self) -> None:
+        """Arranges for the waiters to run once compilation is done (here, if
+        it is); call once, after the first waiter is added."""
+        self.future.add_done_callback(self._compiled)
+
+    def done(self) -> bool:
+        """True once compilation is done and every waiter was called."""
+        return self._waiters is None
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """Calls ``fn()`` once compilation is done (here, if it is)."""
+        with self._lock:
+            if self._waiters is not None:
+                self._waiters.append(fn)
+                return
+        fn()
+
+    def _compiled(self, _: _core.Future) -> None:
+        try:
+            with self._lock:
+                waiters, self._waiters = self._waiters or [], None
+            waiters.reverse()
+            while waiters:
+                try:
+                    waiters.pop()()
+                except Exception:  # pragma: no cover - a bug here; keep the others going
+                    _LOG.exception("async_array: exception in a dispatch callback")
+        finally:
+            jax_work.leave()  # nothing of the waiters (their inputs) is left to free after this
+
+
+def _compile(traced: Any) -> Any:
+    with frames_freed:
+        return traced.lower().compile()
+
+
+class _Call:
+    """One dispatch: its inputs and their specs, the traced program's outputs,
+    the compilation it waits for, and the future every output leaf reads."""
 
     __slots__ = (
         "_in_paths",
-        "_lock",
         "_out_paths",
-        "_waiters",
-        "compiled",
+        "compiling",
         "dyn_pos",
         "in_tree",
-        "key",
-        "name",
+        "leaves",
+        "out",
         "out_avals",
         "out_shardings",
         "out_tree",
@@ -161,22 +199,25 @@ class _Entry:
     )
 
     def __init__(
-        self, owner: JitFunction, key: Any, dyn_pos: tuple[int, ...], in_tree: Any, specs: Any
-    ):
+        self,
+        owner: JitFunction,
+        dyn_pos: tuple[int, ...],
+        in_tree: Any,
+        specs: tuple[tuple[Any, ...], ...],
+        leaves: list[Any],
+    ) -> None:
         self.owner = owner
-        self.key = key
-        self.name = owner._name
         self.dyn_pos = dyn_pos
         self.in_tree = in_tree  # of (dynamic positional args, dynamic keyword args)
         self.specs = specs
-        self.compiled: _core.Future | None = None
+        self.leaves: list[Any] | None = leaves
+        self.out = _core.Future()
+        self.compiling: _Compile | None = None
         self.out_tree: Any = None
         self.out_avals: list[Any] = []
         self.out_shardings: list[Any] = []
         self._in_paths: list[str] | None = None
         self._out_paths: list[str] | None = None
-        self._lock = threading.Lock()
-        self._waiters: list[Callable[[], None]] | None = []
 
     def in_path(self, index: int) -> str:
         """Input leaf ``index`` as the caller wrote it: ``x``, ``params['w']``."""
@@ -194,68 +235,6 @@ class _Entry:
 
     def inputs_text(self) -> str:
         return ", ".join(f"{self.in_path(i)}: {_describe(s)}" for i, s in enumerate(self.specs))
-
-    def start_compile(self, traced: Any) -> None:
-        """Compiles ``traced`` on the pool. The compile future's one callback
-        runs every waiter, so they all run inside the task's activity."""
-        jax_work.enter()
-        try:
-            self.compiled = _core.submit(_compile, traced)
-        except BaseException:
-            jax_work.leave()
-            raise
-        self.compiled.add_done_callback(self._compiled)
-
-    def compiled_done(self) -> bool:
-        """True once compilation is done and every waiter was called."""
-        return self._waiters is None
-
-    def on_compiled(self, fn: Callable[[], None]) -> None:
-        """Calls ``fn()`` once compilation is done (here, if it is)."""
-        with self._lock:
-            if self._waiters is not None:
-                self._waiters.append(fn)
-                return
-        fn()
-
-    def failed(self) -> bool:
-        fut = self.compiled
-        return fut is not None and fut.done() and (fut.cancelled() or fut.exception(0) is not None)
-
-    def _compiled(self, _: _core.Future) -> None:
-        try:
-            if self.failed():
-                self.owner._forget(self)
-            with self._lock:
-                waiters, self._waiters = self._waiters or [], None
-            waiters.reverse()
-            while waiters:
-                try:
-                    waiters.pop()()
-                except Exception:  # pragma: no cover - a bug here; keep the others going
-                    _LOG.exception("async_array: %s: exception in a dispatch callback", self.name)
-        finally:
-            jax_work.leave()  # nothing of the waiters (their inputs) is left to free after this
-
-
-class _Call:
-    """One dispatch: the inputs to run the compiled program on, and the future
-    every output leaf reads."""
-
-    __slots__ = ("entry", "leaves", "out")
-
-    def __init__(self, entry: _Entry, leaves: list[Any], out: _core.Future):
-        self.entry = entry
-        self.leaves: list[Any] | None = leaves
-        self.out = out
-
-
-def _compile(traced: Any) -> Any:
-    try:
-        return traced.lower().compile()
-    except BaseException as exc:
-        traceback.clear_frames(exc.__traceback__)
-        raise
 
 
 def _when_all_done(
@@ -319,16 +298,16 @@ def _task_ended(holder: list[_core.Future], task: _core.Future) -> None:
 
 def _execute(call: _Call) -> None:
     """Runs on the pool once the compilation and every input are done."""
-    out, entry, values = call.out, call.entry, call.leaves
+    out, values, name = call.out, call.leaves, call.owner._name
     call.leaves = None  # a donated or large input is held only as long as needed
     if out.done() or values is None:
         return
-    assert entry.compiled is not None
+    assert call.compiling is not None
     try:
-        compiled = entry.compiled.result(0)
+        compiled = call.compiling.future.result(0)
     except BaseException as exc:
         out.set_exception(
-            _noted(exc, f"async_array: compiling {entry.name} for ({entry.inputs_text()}) failed")
+            noted(exc, f"async_array: compiling {name} for ({call.inputs_text()}) failed")
         )
         return
     for i, value in enumerate(values):
@@ -337,17 +316,17 @@ def _execute(call: _Call) -> None:
                 values[i] = value.result()
             except BaseException as exc:
                 out.set_exception(
-                    _noted(exc, f"async_array: input {entry.in_path(i)} of {entry.name} failed")
+                    noted(exc, f"async_array: input {call.in_path(i)} of {name} failed")
                 )
                 return
     try:
-        result = _run(compiled, entry.in_tree, values)
+        result = _run(compiled, call.in_tree, values)
     except BaseException as exc:
-        traceback.clear_frames(exc.__traceback__)
-        exc.add_note(f"async_array: raised while running {entry.name}")
+        free_frames(exc)
+        exc.add_note(f"async_array: raised while running {name}")
         out.set_exception(exc)
         return
-    out.set_result(entry.out_tree.flatten_up_to(result))
+    out.set_result(call.out_tree.flatten_up_to(result))
 
 
 def _run(compiled: Any, in_tree: Any, values: list[Any]) -> Any:
@@ -377,6 +356,7 @@ class JitFunction:
             sig, jit_kwargs.get("static_argnums"), jit_kwargs.get("static_argnames")
         )
         self._in_devices = _in_shardings_devices(jit_kwargs.get("in_shardings"))
+        self._out_shardings_given = jit_kwargs.get("out_shardings") is not None
         self._pos_names: list[str] = []
         self._var_pos: str | None = None
         if sig is not None:
@@ -385,7 +365,8 @@ class JitFunction:
                     self._pos_names.append(p.name)
                 elif p.kind == p.VAR_POSITIONAL:
                     self._var_pos = p.name
-        self._cache: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
+        # Compilations running now, by (traced jaxpr, input specs); see _compiling_for.
+        self._compiling: dict[Any, _Compile] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -403,13 +384,14 @@ class JitFunction:
         return f"args[{pos}]"
 
     def clear_cache(self) -> None:
-        """Forgets every trace and compiled program of this function."""
-        with self._lock:
-            self._cache.clear()
+        """Asks JAX to forget this function's traces (``jax.jit(fun).clear_cache()``),
+        so the next call traces, lowers and compiles again. Compilations
+        already running still finish and serve the calls that wait for them."""
+        self.jitted.clear_cache()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Traces ``fun`` now (or reuses a trace), and returns its outputs as
-        ``AsyncArray`` leaves at once.
+        """Traces ``fun`` now (JAX reuses a trace of the same avals), and
+        returns its outputs as ``AsyncArray`` leaves at once.
 
         Args:
           *args: as ``fun`` takes them: ``AsyncArray``, ``jax.Array``, numpy
@@ -456,18 +438,23 @@ class JitFunction:
             else:
                 leaves[i], spec = self._concrete(leaf, i, dyn_pos, in_tree)
                 specs.append(spec)
-        key = (
-            in_tree,
-            tuple(specs),
-            tuple((i, type(args[i]), args[i]) for i in statics),
-            tuple(sorted((k, type(v), v) for k, v in kwargs.items() if k in self._static_names)),
-            _config_key(),
-        )
+        self._check_hashable(args, statics, kwargs)
+        call = _Call(self, dyn_pos, in_tree, tuple(specs), leaves)
+        traced = self._trace(call, args, kwargs)
+        call.out_tree = traced.out_tree
+        call.out_avals = traced.out_tree.flatten_up_to(traced.out_avals)
+        declared = self._declared_shardings(traced, call.out_avals)
+        call.compiling = self._compiling_for(traced, call.specs)
+        del traced
+        call.out_shardings = self._out_shardings(call, declared)
+        return self._dispatch(call)
+
+    def _check_hashable(
+        self, args: tuple[Any, ...], statics: list[int], kwargs: dict[str, Any]
+    ) -> None:
         try:
-            with self._lock:
-                entry = self._cache.get(key)
-                if entry is not None:
-                    self._cache.move_to_end(key)
+            hash(tuple(args[i] for i in statics))
+            hash(tuple(v for k, v in kwargs.items() if k in self._static_names))
         except TypeError:
             bad = [self._arg_name(i) for i in statics] + sorted(
                 k for k in kwargs if k in self._static_names
@@ -476,9 +463,6 @@ class JitFunction:
                 f"{self._name}: static arguments must be hashable, as in jax.jit; "
                 f"one of {', '.join(bad)} is not"
             ) from None
-        if entry is None:
-            entry = self._build(key, args, kwargs, dyn_pos, in_tree, specs)
-        return self._dispatch(entry, leaves)
 
     def _concrete(
         self, leaf: Any, index: int, dyn_pos: tuple[int, ...], in_tree: Any
@@ -504,59 +488,59 @@ class JitFunction:
             ) from None
         return leaf, (aval.shape, aval.dtype, aval.weak_type, None)
 
-    def _build(
-        self,
-        key: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        dyn_pos: tuple[int, ...],
-        in_tree: Any,
-        specs: list[tuple[Any, ...]],
-    ) -> _Entry:
-        """Traces here (raising what tracing raises), starts compiling on the
-        pool, and caches the result."""
-        entry = _Entry(self, key, dyn_pos, in_tree, specs)
+    def _trace(self, call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``jax.jit(fun).trace`` from the inputs' specs (JAX's cache answers a
+        repeat); raises what tracing raises, with a note naming the inputs."""
         structs = [
             jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, weak_type=weak)
-            for shape, dtype, weak, sharding in specs
+            for shape, dtype, weak, sharding in call.specs
         ]
-        dyn_args, dyn_kwargs = in_tree.unflatten(structs)
+        dyn_args, dyn_kwargs = call.in_tree.unflatten(structs)
         trace_args = list(args)
-        for j, pos in enumerate(dyn_pos):
+        for j, pos in enumerate(call.dyn_pos):
             trace_args[pos] = dyn_args[j]
         trace_kwargs = {k: v for k, v in kwargs.items() if k in self._static_names}
         trace_kwargs.update(dyn_kwargs)
         try:
-            traced = self.jitted.trace(*trace_args, **trace_kwargs)
+            return self.jitted.trace(*trace_args, **trace_kwargs)
         except Exception as exc:
-            exc.add_note(f"async_array: raised while tracing {self._name}({entry.inputs_text()})")
+            exc.add_note(f"async_array: raised while tracing {self._name}({call.inputs_text()})")
             raise
-        entry.out_tree = traced.out_tree
-        entry.out_avals = traced.out_tree.flatten_up_to(traced.out_avals)
-        declared = [o.sharding for o in traced.out_tree.flatten_up_to(traced.out_info)]
-        entry.start_compile(traced)
-        del traced
-        entry.out_shardings = self._out_shardings(entry, declared)
-        with self._lock:
-            raced = self._cache.get(key)
-            if raced is not None:  # another thread traced the same key meanwhile
-                assert entry.compiled is not None
-                entry.compiled.cancel()
-                return raced
-            self._cache[key] = entry
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        if entry.failed():  # already: its callback found it not yet cached
-            self._forget(entry)
-        return entry
 
-    def _forget(self, entry: _Entry) -> None:
-        # A failed compile is not kept: the next call tries again, as jax.jit does.
-        with self._lock:
-            if self._cache.get(entry.key) is entry:
-                del self._cache[entry.key]
+    def _declared_shardings(self, traced: Any, out_avals: list[Any]) -> list[Any]:
+        """Each output's sharding as the traced program declares it
+        (``traced.out_info``): from ``out_shardings``, or from a mesh in the
+        output's type (explicit axes). With neither, each is None, known
+        without building ``out_info`` (microseconds a leaf, every call)."""
+        if not self._out_shardings_given and all(map(_meshless, out_avals)):
+            return [None] * len(out_avals)
+        return [o.sharding for o in traced.out_tree.flatten_up_to(traced.out_info)]
 
-    def _out_shardings(self, entry: _Entry, declared: list[Any]) -> list[Any]:
+    def _compiling_for(self, traced: Any, specs: tuple[tuple[Any, ...], ...]) -> _Compile:
+        """The compilation of ``traced``: the one still running for the same
+        program, or a new task on the pool.
+
+        The same program is the same traced jaxpr (JAX's trace cache returns
+        the very object for the same function, avals, static arguments and
+        settings) on the same input shardings. A finished compilation leaves
+        the table: the next call's task gets the program from JAX's caches.
+        """
+        key = (id(traced.jaxpr), specs)
+        with self._lock:
+            running = self._compiling.get(key)
+            if running is not None:
+                return running
+            running = self._compiling[key] = _Compile(traced)
+        running.on_done(functools.partial(self._compiled, key, running))
+        running.watch()
+        return running
+
+    def _compiled(self, key: Any, done: _Compile) -> None:
+        with self._lock:
+            if self._compiling.get(key) is done:
+                del self._compiling[key]
+
+    def _out_shardings(self, call: _Call, declared: list[Any]) -> list[Any]:
         """Each output's sharding (None: the default device, uncommitted), as
         the compiled program will place it.
 
@@ -566,7 +550,7 @@ class JitFunction:
         device. Otherwise XLA chooses, and only the compiled program knows:
         this waits for compilation.
         """
-        committed = [s for *_, s in entry.specs if s is not None]
+        committed = [s for *_, s in call.specs if s is not None]
         meshes = {
             s.mesh.abstract_mesh: s.mesh
             for s in committed
@@ -592,42 +576,37 @@ class JitFunction:
             out.append(s)
         if not unknown:
             return out
-        assert entry.compiled is not None
+        assert call.compiling is not None
         try:
-            compiled = entry.compiled.result()
+            compiled = call.compiling.future.result()
         except Exception:
             return [None] * len(declared)  # every output fails with the compile error
-        return entry.out_tree.flatten_up_to(compiled.output_shardings)
+        return call.out_tree.flatten_up_to(compiled.output_shardings)
 
-    def _dispatch(self, entry: _Entry, leaves: list[Any]) -> Any:
+    def _dispatch(self, call: _Call) -> Any:
         """The output leaves of one call; the program runs once the
         compilation and every pending input are done."""
-        out = _core.Future()
-        source = Source(out, self._name, len(entry.out_avals), entry.out_path)
+        source = Source(call.out, self._name, len(call.out_avals), call.out_path)
         outputs = [
             AsyncArray(source, i, aval, sharding)
             for i, (aval, sharding) in enumerate(
-                zip(entry.out_avals, entry.out_shardings, strict=True)
+                zip(call.out_avals, call.out_shardings, strict=True)
             )
         ]
+        compiling = call.compiling
+        assert compiling is not None and call.leaves is not None
         subscribes: list[Callable[[Callable[..., None]], None]] = []
-        if not entry.compiled_done():
-            subscribes.append(entry.on_compiled)
-        seen: set[int] = set()
-        for leaf in leaves:
-            if type(leaf) is AsyncArray:
-                src = leaf._source
-                if src is not None and not src.future.done() and id(src.future) not in seen:
-                    seen.add(id(src.future))
-                    subscribes.append(src.future.add_done_callback)
-        call = _Call(entry, leaves, out)
+        if not compiling.done():
+            subscribes.append(compiling.on_done)
+        inputs = [leaf for leaf in call.leaves if type(leaf) is AsyncArray]
+        subscribes += [fut.add_done_callback for fut in pending(map(source_of, inputs)).futures]
         if subscribes:
             with _waiting_lock:
                 _waiting.add(call)
             _when_all_done(subscribes, functools.partial(_launch, call))
         else:
             _launch(call)
-        return entry.out_tree.unflatten(outputs)
+        return call.out_tree.unflatten(outputs)
 
 
 def jit(fun: Callable[..., Any] | None = None, **jit_kwargs: Any) -> Any:
@@ -642,8 +621,9 @@ def jit(fun: Callable[..., Any] | None = None, **jit_kwargs: Any) -> Any:
     ``jax.Array``; only reading a value waits.
 
     Same input shapes, dtypes, weak types, shardings and static arguments
-    reuse the trace and the compiled program (per function, up to
-    :data:`CACHE_SIZE` of them).
+    reuse the trace and the compiled program from JAX's own caches (as
+    ``jax.jit`` does; ``JitFunction.clear_cache()`` clears them). Calls that
+    need a program while it still compiles share that one compilation.
 
     Args:
       fun: the function, as for ``jax.jit``. Omitted, ``jit`` returns a

@@ -4,16 +4,19 @@
 from __future__ import annotations
 
 import logging
-import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 
 from . import _core
-from ._array import AsyncArray, Source, _shallow_copy, paused_gc
+from ._array import AsyncArray
+from ._convert import convert_one
+from ._errors import frames_freed, free_frames, shallow_copy
 from ._pool import jax_work
-from ._wrap import LeafSpecs, convert_one, declare_tree, qualname
+from ._source import Source
+from ._spec import LeafSpecs, declare_tree, qualname
+from ._tree import paused_gc
 
 _LOG = logging.getLogger("async_array")
 _keystr = jax.tree_util.keystr
@@ -45,13 +48,10 @@ def _one_source_a_leaf(specs: LeafSpecs, futures: list[_core.Future]) -> list[As
 
 
 def _run_leaf(fn: Callable[[Any, Any], Any], path: Any, spec: Any, specs: LeafSpecs, i: int):
-    try:
-        holder = [fn(path, spec)]
-    except BaseException as exc:
-        traceback.clear_frames(exc.__traceback__)
-        raise
+    with frames_freed:
+        value = fn(path, spec)
     with jax_work:
-        return [convert_one(specs, i, holder)]
+        return [convert_one(specs, i, value)]
 
 
 def async_map(fn: Callable[[Any, Any], Any], like: Any, *, sharding: Any = None) -> Any:
@@ -123,7 +123,7 @@ def _drive_stream(
                 _LOG.error("%s: yielded key path %s, which like does not have", specs.name, text)
                 continue
             with jax_work:
-                entry = convert_one(specs, i, [value])
+                entry = convert_one(specs, i, value)
             del value
             if not futures[i].set_result([entry]):
                 _LOG.error(
@@ -132,10 +132,10 @@ def _drive_stream(
                     text,
                 )
     except BaseException as exc:
-        traceback.clear_frames(exc.__traceback__)
+        free_frames(exc)
         for fut in futures:
             if not fut.done():  # only leaves not yet yielded take it, each its own copy
-                fut.set_exception(_shallow_copy(exc))
+                fut.set_exception(shallow_copy(exc))
         return
     hint = (
         f"; it yielded unknown key paths {', '.join(unknown[:5])} (key paths are "
@@ -196,4 +196,4 @@ def _fail_all_if_failed(driver: _core.Future, futures: list[_core.Future]) -> No
     elif exc is not None:
         for fut in futures:
             if not fut.done():
-                fut.set_exception(_shallow_copy(exc))
+                fut.set_exception(shallow_copy(exc))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 import operator
 import os
-import time
+import threading
 from collections.abc import Callable
 
 import jax  # noqa: F401  (imported first: its exit hook must run after ours)
@@ -16,11 +16,13 @@ ENV_MAX_WORKERS = "ASYNC_ARRAY_MAX_WORKERS"
 
 
 def default_max_workers() -> int:
-    """``$ASYNC_ARRAY_MAX_WORKERS``, else ``min(32, os.cpu_count() + 4)`` (the
-    ``ThreadPoolExecutor`` default: loaders mostly wait on I/O)."""
+    """``$ASYNC_ARRAY_MAX_WORKERS``, else ``min(32, usable CPUs + 4)`` (the
+    ``ThreadPoolExecutor`` rule: loaders mostly wait on I/O). Usable CPUs
+    count the affinity mask and cgroup quota (``_core.default_max_workers``,
+    the one place this rule lives)."""
     raw = os.environ.get(ENV_MAX_WORKERS)
     if raw is None or raw.strip() == "":
-        return min(32, (os.cpu_count() or 1) + 4)
+        return _core.default_max_workers()
     try:
         n = int(raw)
     except ValueError:
@@ -74,14 +76,16 @@ class JaxWork:
     waited for.
 
     Use ``with jax_work: ...`` around the JAX part of a pool task, or
-    ``enter()`` and ``leave()`` where the work spans callbacks.
+    ``enter()`` and ``leave()`` where the work spans callbacks. The count is
+    kept under a lock (correct without the GIL too), and :meth:`drain` sleeps
+    on a condition that the last ``leave()`` wakes.
     """
 
-    __slots__ = ("_active", "_exiting")
+    __slots__ = ("_active", "_changed", "_exiting")
 
     def __init__(self) -> None:
-        # list.append and list.pop are atomic under the GIL: a lock-free count.
-        self._active: list[None] = []
+        self._changed = threading.Condition(threading.Lock())
+        self._active = 0
         self._exiting = False
 
     def enter(self) -> None:
@@ -90,28 +94,37 @@ class JaxWork:
         Raises:
           RuntimeError: the interpreter is exiting.
         """
-        # Count first, then look: drain() sets the flag first, then looks.
-        self._active.append(None)
-        if self._exiting:
-            self._active.pop()
-            raise RuntimeError("async_array: the interpreter is exiting; no new work goes to JAX")
+        with self._changed:
+            if self._exiting:
+                raise RuntimeError(
+                    "async_array: the interpreter is exiting; no new work goes to JAX"
+                )
+            self._active += 1
 
     def leave(self) -> None:
-        self._active.pop()
+        with self._changed:
+            self._active -= 1
+            if self._active <= 0:
+                self._changed.notify_all()
 
     def __enter__(self) -> None:
         self.enter()
 
     def __exit__(self, *exc: object) -> None:
-        self._active.pop()
+        self.leave()
 
     def drain(self, timeout: float) -> bool:
         """Refuses new work, then waits up to ``timeout`` seconds for the rest."""
-        self._exiting = True
-        deadline = time.monotonic() + timeout
-        while self._active and time.monotonic() < deadline:
-            time.sleep(0.002)
-        return not self._active
+        with self._changed:
+            self._exiting = True
+            return self._changed.wait_for(lambda: self._active <= 0, timeout)
+
+    def after_fork_child(self) -> None:
+        """In a forked child: a fresh lock, since the parent's may have been
+        held by a thread that does not exist here. The count stays: the core
+        fails the parent's running tasks in the child, and their callbacks
+        leave."""
+        self._changed = threading.Condition(threading.Lock())
 
 
 #: Seconds interpreter exit waits for work inside JAX (not for the tasks' functions).
@@ -137,3 +150,4 @@ atexit.register(_at_exit)
 # The core holds its lock across fork() itself (pthread_atfork); in the child
 # it then fails the tasks the parent's workers were running and restarts the rest.
 os.register_at_fork(after_in_child=_core._after_fork_child)
+os.register_at_fork(after_in_child=jax_work.after_fork_child)

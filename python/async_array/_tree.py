@@ -1,23 +1,68 @@
-"""Waiting on whole pytrees: ``materialize``, ``wait``, ``as_completed``.
+"""Waiting on many leaves at once: ``materialize``, ``wait``, ``as_completed``,
+and ``resolve_all``, which ``jax.jit``'s dispatch calls (see ``_jax_hooks``).
 
-Each waits on the distinct tasks behind a tree's ``AsyncArray`` leaves in one
+Each waits on the distinct tasks behind its ``AsyncArray`` leaves in one
 GIL-free wait in the Rust core, not in a Python loop of per-leaf waits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
 
 from . import _core
-from ._array import AsyncArray, not_ready, paused_gc, resolve_all
+from ._array import AsyncArray, source_of, where_of
+from ._source import pending
 
 FIRST_COMPLETED = "FIRST_COMPLETED"
 FIRST_EXCEPTION = "FIRST_EXCEPTION"
 ALL_COMPLETED = "ALL_COMPLETED"
+
+
+@contextlib.contextmanager
+def paused_gc() -> Generator[None, None, None]:
+    """Pauses the cyclic garbage collector while a tree's leaves are made or
+    resolved in bulk: they are acyclic, and collections triggered by the
+    allocation count alone cost several microseconds a leaf on large trees."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def not_ready(caller: str, leaves: Sequence[AsyncArray], timeout: float | None) -> TimeoutError:
+    """A TimeoutError naming how many of ``leaves`` are pending, and the first."""
+    waiting = [leaf for leaf in leaves if not leaf.done()]
+    first = where_of(waiting[0]) if waiting else "none"
+    count = f"{len(waiting)} leaf" if len(waiting) == 1 else f"{len(waiting)} leaves"
+    return TimeoutError(f"{caller}: {count} not ready after {timeout} s (the first: {first})")
+
+
+def resolve_all(
+    leaves: Sequence[Any], timeout: float | None = None, caller: str = "jax.jit dispatch"
+) -> list[Any]:
+    """The value of every leaf, after one GIL-free wait for all pending tasks.
+
+    ``AsyncArray`` leaves become ``jax.Array``; others pass through.
+
+    Raises:
+      TimeoutError: some leaf not ready within ``timeout`` seconds.
+      Exception: the first failed leaf's exception.
+    """
+    with paused_gc():
+        arrays = [leaf for leaf in leaves if type(leaf) is AsyncArray]
+        futures = pending(map(source_of, arrays)).futures
+        if futures and not _core.wait_all(futures, timeout):
+            raise not_ready(caller, arrays, timeout)
+        return [leaf.result() if type(leaf) is AsyncArray else leaf for leaf in leaves]
 
 
 def materialize(tree: Any, timeout: float | None = None) -> Any:
@@ -59,31 +104,13 @@ class Pending(NamedTuple):
 
 def _pending(tree: Any) -> Pending:
     with paused_gc():
-        return _group_pending(tree)
-
-
-def _group_pending(tree: Any) -> Pending:
-    flat = [
-        (path, leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-        if isinstance(leaf, AsyncArray)
-    ]
-    futures: list[_core.Future] = []
-    groups: list[list[int]] = []
-    by_future: dict[int, int] = {}
-    ready = []
-    for i, (_, leaf) in enumerate(flat):
-        source = leaf._source
-        if source is None or source.future.done():
-            ready.append(i)
-            continue
-        k = by_future.get(id(source.future))
-        if k is None:
-            k = by_future[id(source.future)] = len(futures)
-            futures.append(source.future)
-            groups.append([])
-        groups[k].append(i)
-    return Pending(flat, futures, groups, ready)
+        flat = [
+            (path, leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if isinstance(leaf, AsyncArray)
+        ]
+        found = pending(source_of(leaf) for _, leaf in flat)
+        return Pending(flat, found.futures, found.groups, found.ready)
 
 
 class DoneAndNotDone(NamedTuple):

@@ -1,0 +1,258 @@
+"""Results to ``jax.Array``s: the conversion every producer shares.
+
+Checks a result against its leaf's declared shape and dtype, casts without
+loss, and hands it to JAX copying at most once. Memory something else may
+still write is never aliased: a returned ``HostBuffer`` passes its memory to
+JAX (zero-copy); every other result is copied once (see :func:`place`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _core, _jax_hooks
+from ._array import AsyncArray
+from ._buffer import aligned_array
+from ._core import HostBuffer
+from ._spec import LeafSpecs, Sharding
+
+# Results numpy must build a new array from: that array is ours alone.
+_BUILT = (list, tuple, bool, int, float, complex)
+
+
+def _check_cast(src: np.dtype, dst: np.dtype, where: str) -> None:
+    if src == dst or (src.kind in "biu" and dst.kind in "iu"):
+        return  # integers: any width or sign, range-checked by _copy_checked
+    if not np.can_cast(src, dst, casting="same_kind"):
+        raise TypeError(
+            f"{where}: expected dtype {dst}, got {src}; async_array casts only within "
+            "a kind (numpy same_kind: e.g. float64 to float32, int64 to int32)"
+        )
+
+
+def _copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
+    """Copies ``value`` into ``dst`` (casting, byte-swapping, de-striding in one
+    pass); raises OverflowError rather than wrap an integer or turn a finite
+    float into inf."""
+    src, to = value.dtype, dst.dtype
+    if to.kind in "iu" and src.kind in "iu" and value.size:
+        info = np.iinfo(to)
+        lo, hi = int(value.min()), int(value.max())
+        if lo < info.min or hi > info.max:
+            raise OverflowError(
+                f"{where}: expected dtype {to}, got {src} values in [{lo}, {hi}], outside "
+                f"{to}'s range [{info.min}, {info.max}]; async_array never wraps integers"
+            )
+    with np.errstate(all="ignore"):
+        np.copyto(dst, value, casting="unsafe")
+    if src != to and to.kind not in "biu" and value.size:
+        with np.errstate(all="ignore"):
+            grew = np.isinf(dst) & np.isfinite(value)
+        if grew.any():
+            bad = value[grew].flat[0]
+            raise OverflowError(
+                f"{where}: expected dtype {to}, got {src} value {bad} which is finite "
+                f"but beyond {to}'s range (it would become inf)"
+            )
+
+
+@functools.lru_cache(maxsize=256)
+def _on_one_cpu(sharding: Sharding) -> bool:
+    """Whether host memory can be aliased there: one CPU device."""
+    (device, *more) = sharding.device_set
+    return not more and device.platform == "cpu"
+
+
+def _host_array(value: Any, where: str) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "__dlpack__") and not isinstance(value, (np.generic, HostBuffer)):
+        try:
+            return np.from_dlpack(value)
+        except (TypeError, BufferError, RuntimeError, ValueError):
+            pass  # not a CPU tensor numpy can view: try the array protocol below
+    try:
+        return np.asarray(value)
+    except Exception as exc:
+        raise TypeError(
+            f"{where}: expected an array, got {type(value).__name__} that numpy cannot "
+            f"convert ({exc})"
+        ) from exc
+
+
+def _host_array(value: Any, where: str) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "__dlpack__") and not isinstance(value, (np.generic, HostBuffer)):
+        try:
+            return np.from_dlpack(value)
+        except (TypeError, BufferError, RuntimeError, ValueError):
+            pass  # not a CPU tensor numpy can view: try the array protocol below
+    try:
+        return np.asarray(value)
+    except Exception as exc:
+        raise TypeError(
+            f"{where}: expected an array, got {type(value).__name__} that numpy cannot "
+            f"convert ({exc})"
+        ) from exc
+
+
+def place(value: Any, aval: Any, sharding: Sharding, committed: bool, where: str) -> jax.Array:
+    """Turns one result into the leaf's ``jax.Array``, copying at most once.
+
+    Args:
+      value: what the function returned for this leaf.
+      aval: the declared shape and dtype.
+      sharding: where the array goes.
+      committed: whether it is committed there.
+      where: the call and key path, for messages.
+
+    Raises:
+      ValueError: the shape differs.
+      TypeError: a cast across kinds, or not an array at all.
+      OverflowError: a value that does not fit the declared dtype.
+
+    Note:
+      Only memory nobody else can reach is aliased: a ``HostBuffer`` (from
+      then on it refuses new writable views), and the array numpy builds from
+      a list or a scalar. A numpy array, or anything viewed through
+      ``__dlpack__`` or ``__array__``, is copied once: whoever made it may
+      keep it (in a cache of weak references, say) and write it later, and
+      no test the library could make (a reference count) says otherwise on
+      every CPython. A ``jax.Array`` is copied once on its device, so its
+      maker may delete or donate it.
+    """
+    shape, dtype = aval.shape, aval.dtype
+    if type(value) is np.ndarray:
+        host, ours = value, False
+    elif isinstance(value, jax.Array):
+        return _place_jax_array(value, aval, sharding, committed, where)
+    elif type(value) is HostBuffer:
+        if value.shape == shape and value.dtype == dtype and _on_one_cpu(sharding):
+            value.mark_exported()
+            return _jax_hooks.put_dlpack(value, aval, sharding, committed)
+        host, ours = np.asarray(value), False
+    else:
+        host, ours = _host_array(value, where), type(value) in _BUILT
+    if host.shape != shape:
+        raise ValueError(f"{where}: expected shape {shape}, got {host.shape}")
+    if host.dtype == dtype and host.flags.c_contiguous:
+        alias = (
+            ours
+            and _on_one_cpu(sharding)
+            and host.__array_interface__["data"][0] % _core.ALIGNMENT == 0
+        )
+        return _jax_hooks.put_host(host, aval, sharding, committed, alias)
+    # Cast, byte-swap or gather strides in one pass into memory that is ours.
+    _check_cast(host.dtype, dtype, where)
+    staged = aligned_array(shape, dtype)
+    _copy_checked(host, staged, where)
+    return _jax_hooks.put_host(staged, aval, sharding, committed, alias=True)
+
+
+def _place_jax_array(
+    value: jax.Array, aval: Any, sharding: Sharding, committed: bool, where: str
+) -> jax.Array:
+    if isinstance(value, AsyncArray):
+        value = value.result()
+    if value.shape != aval.shape:
+        raise ValueError(f"{where}: expected shape {aval.shape}, got {value.shape}")
+    if value.dtype != aval.dtype:
+        return place(np.asarray(value), aval, sharding, committed, where)
+    if not value.sharding.is_equivalent_to(sharding, len(aval.shape)):
+        value = jax.device_put(value, sharding)  # a copy, so ours alone
+    else:
+        value = value.copy()  # its maker may delete or donate its own
+    if len(sharding.device_set) > 1:
+        return value
+    return _jax_hooks.put_array(value, aval, sharding, committed)
+
+
+def _mismatch(like: Any, out: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] | None:
+    """The first place where ``out``'s structure leaves ``like``'s, and how;
+    None when none is found (a custom pytree node, say). Anything may stand
+    where ``like`` has a leaf."""
+    tu = jax.tree_util
+    if like is not None and tu.treedef_is_leaf(tu.tree_structure(like)):
+        return None
+    if type(out) is not type(like):
+        return path, f"expected {type(like).__name__}, got {type(out).__name__}"
+    if isinstance(like, dict):
+        missing = sorted(map(repr, like.keys() - out.keys()))
+        extra = sorted(map(repr, out.keys() - like.keys()))
+        if missing or extra:
+            parts = [f"missing keys {', '.join(missing[:5])}"] if missing else []
+            parts += [f"unexpected keys {', '.join(extra[:5])}"] if extra else []
+            return path, "; ".join(parts)
+        children = [(tu.DictKey(k), like[k], out[k]) for k in like]
+    elif isinstance(like, (list, tuple)):
+        if len(like) != len(out):
+            return path, f"expected {len(like)} items, got {len(out)}"
+        fields = getattr(like, "_fields", None)
+        children = [
+            (tu.GetAttrKey(fields[i]) if fields else tu.SequenceKey(i), a, b)
+            for i, (a, b) in enumerate(zip(like, out, strict=True))
+        ]
+    else:
+        return None
+    for key, a, b in children:
+        found = _mismatch(a, b, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+def structure_error(specs: LeafSpecs, out: Any, cause: Exception) -> ValueError:
+    """Says where (the key path) and how the result's structure differs from ``like``."""
+    found = _mismatch(specs.like, out, ())
+    if found is None:
+        text = str(cause)
+        detail = text if len(text) <= 300 else text[:300] + " ..."
+    else:
+        path, how = found
+        detail = f"at {jax.tree_util.keystr(path) or 'the root'}: {how}"
+    return ValueError(
+        f"{specs.name}: the result's tree structure differs from like "
+        f"(matched by key path) {detail}"
+    )
+
+
+def convert_one(specs: LeafSpecs, i: int, value: Any) -> Any:
+    """Leaf ``i``'s entry in a ``Source`` list: its ``jax.Array``, or the
+    exception it alone failed with."""
+    try:
+        return place(value, specs.avals[i], specs.shardings[i], specs.committed[i], "")
+    except (ValueError, TypeError, OverflowError) as exc:
+        return type(exc)(f"{specs.where(i)}{exc}")
+    except Exception as exc:
+        exc.add_note(f"async_array: while converting {specs.where(i)}")
+        return exc
+
+
+def convert_results(specs: LeafSpecs, holder: list[Any]) -> list[Any]:
+    """The per-leaf list a ``Source`` future holds (see :func:`convert_one`),
+    from a one-item ``holder`` with the whole result.
+
+    The result comes in a list emptied here, and each leaf's value is dropped
+    as soon as it is converted: the loader's arrays are freed one by one as
+    they are copied, not all at the end.
+    """
+    out = holder.pop()
+    if specs.treedef is None:
+        values = [out]
+    else:
+        try:
+            values = specs.treedef.flatten_up_to(out)
+        except (ValueError, TypeError) as exc:
+            raise structure_error(specs, out, exc) from None
+    del out
+    results: list[Any] = [None] * len(values)
+    for i in range(len(values)):
+        value, values[i] = values[i], None
+        results[i] = convert_one(specs, i, value)
+        del value
+    return results

@@ -1,0 +1,67 @@
+"""Exceptions that cross threads: freeing a failed function's locals, and one
+exception shared by many leaves or calls without their notes mixing."""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from types import TracebackType
+
+
+class _FramesFreed:
+    """``with frames_freed: value = f()``: an exception leaving the block keeps
+    ``f``'s frames in its traceback, for the user to read, but their locals (a
+    loader's half-filled buffers, say) are freed at once, not when the
+    exception is. The exception propagates unchanged."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if tb is not None:
+            traceback.clear_frames(tb)  # skips the frames still running (this one's caller)
+        return False
+
+
+frames_freed = _FramesFreed()
+
+
+def free_frames(exc: BaseException) -> BaseException:
+    """Frees the locals of the frames in ``exc``'s traceback (as
+    :data:`frames_freed`), for an exception that is stored rather than raised;
+    returns ``exc``."""
+    traceback.clear_frames(exc.__traceback__)
+    return exc
+
+
+def shallow_copy(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` (same type, args, traceback, cause, context and notes),
+    so notes added to the copy never reach the original; ``exc`` itself when it
+    cannot be copied."""
+    try:
+        dup = copy.copy(exc)
+    except Exception:
+        return exc
+    dup.__traceback__ = exc.__traceback__
+    dup.__cause__ = exc.__cause__
+    dup.__context__ = exc.__context__
+    dup.__suppress_context__ = exc.__suppress_context__
+    if hasattr(exc, "__notes__"):
+        dup.__notes__ = list(exc.__notes__)
+    return dup
+
+
+def noted(exc: BaseException, note: str) -> BaseException:
+    """A copy of ``exc`` (see :func:`shallow_copy`) with ``note`` added, so notes
+    of different calls sharing one exception never mix (an exception that
+    cannot be copied takes the note itself)."""
+    dup = shallow_copy(exc)
+    dup.add_note(note)
+    return dup

@@ -1,0 +1,186 @@
+"""A task's output, shared by the leaves it produces, and the distinct pending
+tasks behind a set of leaves (what every bulk wait waits on)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import NamedTuple
+
+import jax
+
+from . import _core, _spec
+from ._errors import shallow_copy
+
+_LOG = logging.getLogger("async_array")
+
+# A leaf's exception, the traceback it left its task with, and its notes then.
+_LeafError = tuple[BaseException, TracebackType | None, list[str]]
+
+
+class Source:
+    """One task's output shared by its leaves (an ``async_wrap`` call, one
+    ``aa.jit`` dispatch, ...). The task's future holds a list with one entry
+    per leaf: a ``jax.Array``, or the exception that leaf alone failed with.
+    If the task itself raised, every leaf raises that exception.
+
+    Args:
+      future: the ``_core.Future`` of the task.
+      name: how messages name the call, e.g. ``"async_wrap(load_weights)"``.
+      leaf_count: number of leaves.
+      key_path: ``key_path(offset + i)`` is leaf ``i``'s key path as text;
+        called only to build a message. One callable can serve the sources of
+        a whole tree (one source a leaf, each with its own ``offset``).
+      offset: added to a leaf's index to look up its key path.
+    """
+
+    __slots__ = (
+        "future",
+        "key_path",
+        "leaf_count",
+        "leaf_errors",
+        "name",
+        "offset",
+        "retrieved",
+    )
+
+    def __init__(
+        self,
+        future: _core.Future,
+        name: str,
+        leaf_count: int,
+        key_path: Callable[[int], str],
+        offset: int = 0,
+    ) -> None:
+        self.future = future
+        self.name = name
+        self.leaf_count = leaf_count
+        self.key_path = key_path
+        self.offset = offset
+        self.retrieved = False
+        self.leaf_errors: dict[int, _LeafError] | None = None
+
+    def where(self, index: int) -> str:
+        """How messages name leaf ``index``."""
+        return _spec.where(self.name, self.key_path(self.offset + index))
+
+    def error(self, index: int) -> tuple[BaseException, TracebackType | None] | None:
+        """Leaf ``index``'s exception and the traceback to raise it with, or
+        None; the future must be done. Each call restores the exception's
+        notes and the caller raises with that traceback, so neither grows
+        with repeated uses (JAX adds a note whenever one passes through jit)."""
+        fut = self.future
+        if fut.cancelled():
+            return (
+                concurrent.futures.CancelledError(f"{self.where(index)}: cancelled before it ran"),
+                None,
+            )
+        errors = self.leaf_errors
+        found = errors.get(index) if errors is not None else None
+        if found is None:
+            exc = fut.exception(0)
+            if exc is not None:
+                # Same object for a single leaf; for a tree, a shallow copy per
+                # leaf (same type, args, traceback, cause) so notes never mix.
+                leaf_exc = exc if self.leaf_count == 1 else shallow_copy(exc)
+                leaf_exc.add_note(f"async_array: raised in {self.where(index)}")
+                tb = exc.__traceback__
+            else:
+                value = fut.result(0)[index]
+                if not isinstance(value, BaseException):
+                    return None
+                leaf_exc, tb = value, None
+            found = (leaf_exc, tb, list(getattr(leaf_exc, "__notes__", ())))
+            if errors is None:
+                errors = self.leaf_errors = {}
+            errors[index] = found
+        leaf_exc, tb, notes = found
+        leaf_exc.__notes__ = list(notes)
+        return leaf_exc, tb
+
+    def value(self, index: int, timeout: float | None) -> jax.Array:
+        """Waits (GIL released) and returns leaf ``index``'s ``jax.Array``."""
+        fut = self.future
+        values = fut.peek()
+        if values is not None:
+            value = values[index]
+            if not isinstance(value, BaseException):
+                if self.leaf_count == 1:
+                    self.retrieved = True  # nothing left to report at collection
+                return value
+        elif not fut.done() and not fut.wait(timeout):
+            raise TimeoutError(f"{self.where(index)}: not ready after {timeout} s")
+        failed = self.error(index)
+        if failed is not None:
+            self.retrieved = True
+            exc, tb = failed
+            raise exc.with_traceback(tb)
+        return fut.result(0)[index]
+
+    def __del__(self) -> None:
+        # As asyncio does: an exception nobody retrieved is logged, not lost;
+        # if the task still runs, once it ends.
+        try:
+            if not self.retrieved:
+                if self.future.done():
+                    _log_unretrieved(self.name, self.future)
+                else:
+                    self.future.add_done_callback(functools.partial(_log_unretrieved, self.name))
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+def _log_unretrieved(name: str, fut: _core.Future) -> None:
+    """Logs the exception of a finished task whose leaves are all gone."""
+    values = fut.peek()
+    if values is not None:
+        exc = next((v for v in values if isinstance(v, BaseException)), None)
+    elif fut.cancelled():
+        return
+    else:
+        exc = fut.exception(0)
+    if exc is not None:
+        _LOG.error(
+            "async_array: %s failed and no leaf's exception was ever retrieved",
+            name,
+            exc_info=exc,
+        )
+
+
+class Pending(NamedTuple):
+    """The distinct tasks still running behind some leaves, in first-seen
+    order: ``futures[k]`` produces the items at indices ``groups[k]``; the
+    items at ``ready`` need no wait."""
+
+    futures: list[_core.Future]
+    groups: list[list[int]]
+    ready: list[int]
+
+
+def pending(sources: Iterable[Source | None]) -> Pending:
+    """Groups items by the task they wait on: ``sources[i]`` is item ``i``'s
+    source, or None when its value is already at hand. Many leaves of one
+    task (an ``async_wrap`` of a tree) give one future, so a bulk wait waits
+    on each task once."""
+    futures: list[_core.Future] = []
+    groups: list[list[int]] = []
+    ready: list[int] = []
+    by_future: dict[int, int] = {}
+    for i, source in enumerate(sources):
+        if source is None:
+            ready.append(i)
+            continue
+        fut = source.future
+        k = by_future.get(id(fut))
+        if k is None:
+            if fut.done():
+                ready.append(i)
+                continue
+            k = by_future[id(fut)] = len(futures)
+            futures.append(fut)
+            groups.append([])
+        groups[k].append(i)
+    return Pending(futures, groups, ready)

@@ -1,0 +1,273 @@
+"""What a producer promises before anything runs: each leaf's shape, dtype and
+sharding, validated at the call.
+
+The one shape validator (``async_wrap``'s ``shape=``, ``like`` leaves,
+``aa.empty``), JAX's dtype canonicalization, shardings, and how messages name
+a call and a leaf.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import sys
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _jax_hooks
+
+Sharding = jax.sharding.Sharding
+
+
+def qualname(f: Any) -> str:
+    """How messages name a callable."""
+    if isinstance(f, functools.partial):
+        return f"partial({qualname(f.func)})"
+    return getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or type(f).__qualname__
+
+
+def where(name: str, key_path: str) -> str:
+    """How a message names a leaf: ``async_wrap(load) leaf ['w']``, or
+    ``async_wrap(load) result`` for a call with a single leaf (no key path)."""
+    return f"{name} leaf {key_path}" if key_path else f"{name} result"
+
+
+def shape_tuple(shape: Any, where: str) -> tuple[int, ...]:
+    """``shape`` (an integer, or an iterable of them) as a tuple of ints.
+
+    Raises:
+      TypeError: not an integer nor an iterable of integers.
+      ValueError: a negative dimension.
+    """
+    try:
+        dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    except TypeError:
+        raise TypeError(
+            f"{where}: shape must be an integer or a tuple of integers, got {shape!r}"
+        ) from None
+    try:
+        out = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise TypeError(f"{where}: shape must be a tuple of integers, got {shape!r}") from None
+    if any(d < 0 for d in out):
+        raise ValueError(f"{where}: negative dimension in shape {out}")
+    return out
+
+
+def outside_package_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the caller point at
+    the first frame outside async_array: the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("async_array"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def canonical_dtype(dtype: np.dtype, fun_name: str) -> np.dtype:
+    """``dtype`` as JAX makes an explicitly requested one: with x64 off, a
+    64-bit dtype narrows to its 32-bit kind, with JAX's own warning pointing at
+    the user's line (or JAX's error, or no change, as
+    ``jax_explicit_x64_dtypes`` says).
+
+    Raises:
+      ValueError: the dtype is not available and ``jax_explicit_x64_dtypes``
+        is ``error``.
+    """
+    out = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    if out == dtype:
+        return out
+    mode = getattr(jax.config, "jax_explicit_x64_dtypes", "warn")
+    mode = str(getattr(mode, "name", mode)).lower()  # an IntEnum: str() gives its number
+    if "allow" in mode:
+        return dtype
+    if "error" in mode:
+        raise ValueError(
+            f"Explicitly requested dtype {dtype} requested in {fun_name} is not available. "
+            "To enable more dtypes, set the jax_enable_x64 or allow_explicit_x64_dtypes "
+            "configuration options.See https://github.com/jax-ml/jax#current-gotchas for more."
+        )
+    warnings.warn(
+        f"Explicitly requested dtype {dtype} requested in {fun_name} is not available, and "
+        f"will be truncated to dtype {out.name}. To enable more dtypes, set the "
+        "jax_enable_x64 configuration option or the JAX_ENABLE_X64 shell environment "
+        "variable. See https://github.com/jax-ml/jax#current-gotchas for more.",
+        UserWarning,
+        stacklevel=outside_package_stacklevel(),
+    )
+    return out
+
+
+# Dtypes JAX keeps as they are, by the settings that decide it (jax_enable_x64
+# and jax_explicit_x64_dtypes).
+_unchanged: dict[tuple[np.dtype, Any, Any], bool] = {}
+
+
+def _canonical(dtype: np.dtype) -> np.dtype:
+    config = jax.config
+    key = (dtype, config.jax_enable_x64, getattr(config, "jax_explicit_x64_dtypes", None))
+    if _unchanged.get(key):
+        return dtype
+    out = canonical_dtype(dtype, "async_wrap")  # warns when it narrows
+    _unchanged[key] = out == dtype
+    return out
+
+
+def _dtype(dtype: Any, where: str) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{where}: unknown dtype {dtype!r}") from None
+    if dt.kind not in "biufcV" or (dt.kind == "V" and dt.names is not None):
+        raise TypeError(f"{where}: dtype {dt} is not a JAX array dtype")
+    if dt.byteorder == ">":
+        dt = dt.newbyteorder("=")
+    return _canonical(dt)
+
+
+_avals: dict[tuple[tuple[int, ...], np.dtype], Any] = {}
+
+
+def _aval(shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    key = (shape, dtype)
+    aval = _avals.get(key)
+    if aval is None:
+        aval = _avals[key] = _jax_hooks.shaped_array(shape, dtype)
+    return aval
+
+
+_default_sharding: Sharding | None = None
+
+
+def default_sharding() -> Sharding:
+    """Where a leaf lands when no sharding is given: the default device,
+    uncommitted, as ``jnp.asarray`` of a numpy array would."""
+    global _default_sharding
+    if _default_sharding is None:
+        _default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return _default_sharding
+
+
+def _check_sharding(sharding: Any, shape: tuple[int, ...], where: str) -> None:
+    if not isinstance(sharding, Sharding):
+        raise TypeError(
+            f"{where}: sharding must be a jax.sharding.Sharding, got {type(sharding).__name__}"
+        )
+    try:
+        sharding.shard_shape(shape)
+    except Exception as exc:
+        raise ValueError(f"{where}: sharding {sharding} does not fit shape {shape}: {exc}") from exc
+
+
+def _broadcast_shardings(sharding: Any, like: Any, n: int, where: str) -> list[Any]:
+    """``sharding`` as one entry per leaf of ``like``: a single Sharding, or a
+    pytree prefix of ``like`` with Sharding (or None) leaves, as ``jax.device_put``."""
+    if sharding is None or isinstance(sharding, Sharding):
+        return [sharding] * n
+    is_leaf = lambda s: s is None or isinstance(s, Sharding)  # noqa: E731
+    prefix, prefix_def = jax.tree_util.tree_flatten(sharding, is_leaf=is_leaf)
+    try:
+        subtrees = prefix_def.flatten_up_to(like)
+    except ValueError as exc:
+        raise ValueError(f"{where}: sharding is not a pytree prefix of like: {exc}") from None
+    out: list[Any] = []
+    for s, sub in zip(prefix, subtrees, strict=True):
+        out.extend([s] * jax.tree_util.tree_structure(sub).num_leaves)
+    return out
+
+
+class LeafSpecs:
+    """What each leaf of one call must be: avals, shardings, key paths.
+
+    Key paths are only computed to build a message (flattening with paths
+    costs several microseconds a leaf).
+    """
+
+    __slots__ = ("_paths", "avals", "committed", "like", "name", "shardings", "treedef")
+
+    def __init__(self, name: str, like: Any, treedef: Any, paths: list[Any] | None = None):
+        self.name = name
+        self.like = like
+        self.treedef = treedef  # None: a single leaf given by shape= and dtype=
+        self._paths = paths  # JAX key paths, when the caller already has them
+        self.avals: list[Any] = []
+        self.committed: list[bool] = []
+        self.shardings: list[Any] = []
+
+    def place_on(self, shardings: list[Any]) -> None:
+        """Sets each leaf's sharding: a requested one (committed), or the
+        default device's (uncommitted) for None."""
+        self.committed = [s is not None for s in shardings]
+        self.shardings = [default_sharding() if s is None else s for s in shardings]
+
+    def key_path(self, index: int) -> str:
+        if self.treedef is None:
+            return ""
+        if self._paths is None:
+            self._paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(self.like)[0]]
+        return jax.tree_util.keystr(self._paths[index])
+
+    def where(self, index: int) -> str:
+        return where(self.name, self.key_path(index))
+
+
+def declare(
+    name: str,
+    shape: Any,
+    dtype: Any,
+    like: Any,
+    sharding: Any,
+) -> LeafSpecs:
+    """Validates the arguments of ``async_wrap``-like calls into ``LeafSpecs``."""
+    if like is not None and (shape is not None or dtype is not None):
+        raise TypeError(f"{name}: pass either shape= and dtype=, or like=, not both")
+    if like is None:
+        if shape is None or dtype is None:
+            raise TypeError(f"{name}: needs shape= and dtype=, or like= (a pytree of specs)")
+        dims = shape_tuple(shape, name)
+        dt = _dtype(dtype, name)
+        if sharding is not None:
+            _check_sharding(sharding, dims, name)
+        specs = LeafSpecs(name, None, None)
+        specs.avals.append(_aval(dims, dt))
+        specs.place_on([sharding])
+        return specs
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    return declare_tree(LeafSpecs(name, like, treedef), leaves, sharding)
+
+
+def declare_tree(specs: LeafSpecs, leaves: list[Any], sharding: Any) -> LeafSpecs:
+    """Fills ``specs`` from the leaves of its ``like`` tree (already flattened)."""
+    shardings = _broadcast_shardings(sharding, specs.like, len(leaves), specs.name)
+    avals = specs.avals
+    # Big trees repeat a few shapes and shardings: validate each pair once.
+    seen_avals: dict[tuple[Any, Any], Any] = {}
+    fits: set[tuple[int, tuple[int, ...]]] = set()
+    for i, leaf in enumerate(leaves):
+        try:
+            key = (leaf.shape, leaf.dtype)
+            aval = seen_avals.get(key)
+            if aval is None:
+                aval = seen_avals[key] = _aval(shape_tuple(leaf.shape, ""), _dtype(leaf.dtype, ""))
+        except AttributeError:
+            raise TypeError(
+                f"{specs.where(i)}: a like leaf needs .shape and .dtype "
+                f"(e.g. jax.ShapeDtypeStruct), got {type(leaf).__name__}"
+            ) from None
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{specs.where(i)}{exc}") from None
+        avals.append(aval)
+        s = shardings[i]
+        if s is None:
+            own = getattr(leaf, "sharding", None)
+            # A like leaf's own sharding, unless it is an uncommitted jax.Array.
+            if isinstance(own, Sharding) and getattr(leaf, "committed", True):
+                s = own
+        if s is not None and (id(s), aval.shape) not in fits:
+            _check_sharding(s, aval.shape, specs.where(i))
+            fits.add((id(s), aval.shape))
+        shardings[i] = s
+    specs.place_on(shardings)
+    return specs

@@ -1,0 +1,152 @@
+//! The process-wide pool: the one instance, its size, interpreter-exit
+//! shutdown, and what `fork()` does to it (`pthread_atfork` handlers and the
+//! `os.register_at_fork` child hook).
+
+use crate::attach::{drop_thread_state, keep_thread_state};
+use crate::error::Error;
+use crate::pool::{ForkGuard, Pool, ThreadHooks};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+static POOL: OnceLock<Pool> = OnceLock::new();
+
+/// The process-wide pool, started at first use with [`default_max_workers`];
+/// `configure` resizes it.
+pub fn pool() -> &'static Pool {
+    POOL.get_or_init(|| {
+        install_fork_handlers();
+        let hooks = ThreadHooks {
+            start: Some(keep_thread_state),
+            stop: Some(drop_thread_state),
+        };
+        Pool::with_hooks("async-array", default_max_workers(), hooks)
+    })
+}
+
+/// The pool size when none is configured: `min(32, cpus + 4)`, the
+/// `ThreadPoolExecutor` rule (loaders mostly wait on I/O), where `cpus` is how
+/// many CPUs this process may actually use: its CPU affinity mask and cgroup
+/// quota count, which `os.cpu_count()` ignores.
+#[pyfunction]
+pub fn default_max_workers() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cpus + 4).min(32)
+}
+
+/// Sets how many tasks run at once (at least 1).
+#[pyfunction]
+pub fn configure(max_workers: usize) -> PyResult<()> {
+    if max_workers == 0 {
+        return Err(Error::InvalidArgument("max_workers must be at least 1, got 0".into()).into());
+    }
+    pool().set_max_workers(max_workers);
+    Ok(())
+}
+
+/// The pool's counters: max_workers, threads, idle, blocked, queued, spawned_total.
+#[pyfunction]
+pub fn pool_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let s = pool().stats();
+    let d = PyDict::new(py);
+    d.set_item("max_workers", s.max_workers)?;
+    d.set_item("threads", s.threads)?;
+    d.set_item("idle", s.idle)?;
+    d.set_item("blocked", s.blocked)?;
+    d.set_item("queued", s.queued)?;
+    d.set_item("spawned_total", s.spawned_total)?;
+    Ok(d)
+}
+
+/// At interpreter exit: cancels queued tasks; running ones are not waited for.
+#[pyfunction]
+pub fn shutdown() {
+    pool().shutdown();
+}
+
+thread_local! {
+    /// The pool's lock, from the `fork()` prepare handler to the parent or child handler.
+    static FORK_GUARD: RefCell<Option<ForkGuard<'static>>> = const { RefCell::new(None) };
+}
+
+extern "C" fn lock_pool_for_fork() {
+    if let Some(pool) = POOL.get() {
+        let _ = FORK_GUARD.try_with(|g| {
+            let mut held = g.borrow_mut();
+            if held.is_none() {
+                *held = Some(pool.lock_for_fork());
+            }
+        });
+    }
+}
+
+extern "C" fn unlock_pool_after_fork() {
+    let _ = FORK_GUARD.try_with(|g| drop(g.borrow_mut().take()));
+}
+
+/// Holds the pool's lock across every `fork()` of the process, and only across
+/// the call itself: Python's `os.register_at_fork` hooks run Python code (other
+/// libraries' hooks) between `before` and `after`, during which the forking
+/// thread may let the GIL go; a lock held over that window deadlocks against a
+/// thread that takes the GIL and then wants the lock.
+#[cfg(unix)]
+fn install_fork_handlers() {
+    extern "C" {
+        fn pthread_atfork(
+            prepare: Option<extern "C" fn()>,
+            parent: Option<extern "C" fn()>,
+            child: Option<extern "C" fn()>,
+        ) -> std::ffi::c_int;
+    }
+    // SAFETY: the handlers are plain functions that live as long as the process
+    // (this module is never unloaded) and never unwind.
+    let rc = unsafe {
+        pthread_atfork(
+            Some(lock_pool_for_fork),
+            Some(unlock_pool_after_fork),
+            Some(unlock_pool_after_fork),
+        )
+    };
+    debug_assert_eq!(rc, 0, "pthread_atfork failed");
+}
+
+#[cfg(not(unix))]
+fn install_fork_handlers() {}
+
+/// In the child of `os.fork()` (an `after_in_child` hook, run with the GIL and
+/// no other thread): fails the tasks the parent's workers were running and
+/// starts workers for what is still queued.
+#[pyfunction]
+pub fn _after_fork_child() {
+    if let Some(pool) = POOL.get() {
+        pool.after_fork_child();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_size_is_usable_cpus_plus_four_capped_at_32() {
+        let n = default_max_workers();
+        assert!((5..=32).contains(&n), "{n}");
+        // Never more than the CPUs the affinity mask allows (a cgroup quota
+        // may allow fewer), unlike os.cpu_count().
+        Python::initialize();
+        Python::attach(|py| {
+            let os = py.import("os").unwrap();
+            if let Ok(mask) = os.call_method1("sched_getaffinity", (0,)) {
+                let allowed = mask.len().unwrap();
+                assert!(n <= (allowed + 4).min(32), "{n} for {allowed} CPUs");
+            }
+        });
+    }
+
+    #[test]
+    fn the_pool_starts_at_the_default_size() {
+        // Only this test touches the process-wide pool in this test binary.
+        assert_eq!(pool().max_workers(), default_max_workers());
+    }
+}
