@@ -28,6 +28,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(task::submit_many, m)?)?;
     m.add_function(wrap_pyfunction!(task::_submit_rust_panic, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::wait_all, m)?)?;
+    m.add_function(wrap_pyfunction!(pyfuture::wait_all_or_failure, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::configure, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::default_max_workers, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::pool_stats, m)?)?;

@@ -236,6 +236,55 @@ pub fn wait_all(
     Ok(done.is_some())
 }
 
+/// Blocks until every future is finished or one of them fails or is
+/// cancelled, in one GIL-free wait, or until `timeout` seconds pass. Returns
+/// `(stopped, failed)`: `stopped` is False on timeout; `failed` is the index of
+/// a failed or cancelled future (the first in list order if one had failed
+/// already, else the first to fail), None when none has. A bulk read raises a
+/// known failure at once rather than wait for slow leaves first.
+#[pyfunction]
+#[pyo3(signature = (futures, timeout=None))]
+pub fn wait_all_or_failure(
+    py: Python<'_>,
+    futures: Vec<PyRef<'_, PyFuture>>,
+    timeout: Option<f64>,
+) -> PyResult<(bool, Option<usize>)> {
+    let futures = core_futures(&futures);
+    if let Some(i) = futures.iter().position(failed) {
+        return Ok((true, Some(i)));
+    }
+    let mut left = futures.iter().filter(|f| !f.is_finished()).count();
+    if left == 0 {
+        return Ok((true, None));
+    }
+    let deadline = deadline_after(timeout)?;
+    let pending: Vec<usize> = (0..futures.len())
+        .filter(|&i| !futures[i].is_finished())
+        .collect();
+    let watched: Vec<CoreFuture> = pending.iter().map(|&i| futures[i].clone()).collect();
+    let queue = CompletionQueue::watch(&watched);
+    let stop = wait_detached(py, pool(), deadline, |slice| {
+        while let Some(k) = queue.pop_until(slice) {
+            if failed(&watched[k]) {
+                return Some(Some(pending[k]));
+            }
+            left -= 1;
+            if left == 0 {
+                return Some(None);
+            }
+        }
+        None
+    })?;
+    Ok(match stop {
+        Some(failed) => (true, failed),
+        None => (false, None),
+    })
+}
+
+fn failed(future: &CoreFuture) -> bool {
+    matches!(future.status(), Status::Failed | Status::Cancelled)
+}
+
 /// Yields the indices of `futures` in the order they finish; each `next`
 /// is one GIL-free wait. The basis of `wait(FIRST_COMPLETED)` and `as_completed`.
 #[pyclass(frozen, module = "async_array._core")]

@@ -35,7 +35,7 @@ def test_known_at_once_while_pending(gated):
     assert not x.committed and x.device == jax.devices()[0]
     assert x.devices() == {jax.devices()[0]}
     assert not x.done() and not x.is_ready() and x.running() and not x.cancelled()
-    assert repr(x) == "AsyncArray(pending, shape=(2, 3), dtype=float32)"
+    assert repr(x) == "AsyncArray(running, shape=(2, 3), dtype=float32)"
     assert isinstance(x, jax.Array)
     assert not hasattr(x, "no_such_attribute")  # answered without waiting
     assert not x.done()

@@ -714,6 +714,23 @@ def test_wait_all_times_out_then_succeeds(pool_size):
     assert _core.wait_all([], 0) is True
 
 
+def test_wait_all_or_failure_stops_at_the_first_failure():
+    fs = [_core.Future() for _ in range(3)]
+    assert _core.wait_all_or_failure(fs, 0) == (False, None)
+    # Failed from another thread while the wait runs; fs[0] stays pending.
+    t = threading.Thread(target=fs[2].set_exception, args=(KeyError("404"),))
+    t.start()
+    assert _core.wait_all_or_failure(fs, WAIT) == (True, 2)
+    t.join()
+    assert fs[1].cancel()
+    assert _core.wait_all_or_failure(fs, 0) == (True, 1), "the first in list order once known"
+    ok = [_core.Future() for _ in range(2)]
+    for f in ok:
+        f.set_result(None)
+    assert _core.wait_all_or_failure(ok, None) == (True, None)
+    assert _core.wait_all_or_failure([], 0) == (True, None)
+
+
 def test_watcher_yields_completion_order(pool_size):
     pool_size(4)
     done_first = _core.submit(lambda: "early")

@@ -56,14 +56,14 @@ def test_jit_over_a_tree_of_many_leaves_waits_once(monkeypatch, pool_size):
     # function takes over a minute here, with plain jax.Arrays too): 600 leaves,
     # from 600 separate tasks, all pending when jit dispatches.
     waits = []
-    real_wait_all = _core.wait_all
+    real_wait_all = _core.wait_all_or_failure
 
     def counting_wait_all(futures, timeout=None):
         waits.append(len(futures))
         gate.set()  # the loaders finish only once dispatch is waiting for them
         return real_wait_all(futures, timeout)
 
-    monkeypatch.setattr(_core, "wait_all", counting_wait_all)
+    monkeypatch.setattr(_core, "wait_all_or_failure", counting_wait_all)
     gate = threading.Event()
     pool_size(8)  # more loaders blocked at the gate than workers is fine too
     like = {f"w{i}": jax.ShapeDtypeStruct((2,), F32) for i in range(600)}

@@ -20,6 +20,7 @@ from ._tree import (
     FIRST_EXCEPTION,
     DoneAndNotDone,
     as_completed,
+    future,
     materialize,
     wait,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "async_wrap",
     "configure",
     "empty",
+    "future",
     "jax_hooks_active",
     "jit",
     "materialize",

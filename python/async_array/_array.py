@@ -9,6 +9,7 @@ import inspect
 import logging
 import math
 import operator
+import threading
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from . import _jax_hooks
 from ._source import Source
-from ._spec import default_sharding
+from ._spec import default_sharding, timeout_seconds
 
 _LOG = logging.getLogger("async_array")
 
@@ -32,11 +33,12 @@ class AsyncArray(jax.Array):
     Never blocks: ``shape``, ``dtype``, ``ndim``, ``size``, ``nbytes``,
     ``itemsize``, ``aval``, ``sharding``, ``committed``, ``done()``,
     ``is_ready()``, ``running()``, ``cancelled()``, ``cancel()``,
-    ``add_done_callback()`` and ``repr()``.
+    ``add_done_callback()``, ``future()`` and ``repr()``.
 
     Blocks until the value exists (the GIL is released; Ctrl-C interrupts):
     ``result()``, ``exception()``, ``block_until_ready()``, ``str()``,
     ``np.asarray(x)``, ``__jax_array__``, ``__dlpack__``, every operator,
+    ``await x`` (suspends the coroutine only, as ``asyncio.wrap_future``),
     indexing, iteration and every other ``jax.Array`` method, which are
     forwarded to the result.
 
@@ -44,7 +46,16 @@ class AsyncArray(jax.Array):
     and ``aa.jit`` make them.
     """
 
-    __slots__ = ("_aval", "_committed", "_index", "_sharding", "_source", "_value")
+    __slots__ = (
+        "__weakref__",
+        "_aval",
+        "_committed",
+        "_future",
+        "_index",
+        "_sharding",
+        "_source",
+        "_value",
+    )
     __array_priority__ = 100
 
     def __init__(
@@ -60,6 +71,7 @@ class AsyncArray(jax.Array):
         self._sharding = sharding
         self._committed = sharding is not None
         self._value: jax.Array | None = None
+        self._future: LeafFuture | None = None
 
     # -- known at once -------------------------------------------------------
     @property
@@ -109,9 +121,19 @@ class AsyncArray(jax.Array):
         return self._committed
 
     @property
-    def format(self) -> None:
-        # Default layout: what jax.jit assumes while the value does not exist.
-        return None
+    def format(self) -> Any:
+        """The value's layout once it exists (``jax.Array.format``); None while
+        pending or failed: the default layout, what ``jax.jit`` assumes then.
+        Never waits."""
+        if self._value is None and not self._succeeded():
+            return None
+        return self.result().format
+
+    def _succeeded(self) -> bool:
+        source = self._source
+        if source is None:
+            return True
+        return source.future.done() and source.error(self._index) is None
 
     @property
     def is_fully_addressable(self) -> bool:
@@ -162,9 +184,11 @@ class AsyncArray(jax.Array):
         """Waits for the value and returns it as a ``jax.Array``.
 
         Args:
-          timeout: seconds to wait; None waits as long as it takes.
+          timeout: seconds to wait; None waits as long as it takes (a negative
+            number counts as zero, as in ``concurrent.futures``).
 
         Raises:
+          TypeError: ``timeout`` is not a number nor None.
           TimeoutError: not ready within ``timeout`` seconds.
           concurrent.futures.CancelledError: the task was cancelled.
           Exception: whatever the task raised, with a note naming this leaf, or
@@ -176,6 +200,8 @@ class AsyncArray(jax.Array):
         source = self._source
         if source is None:  # another thread resolved it meanwhile
             return self._value  # type: ignore[return-value]
+        if timeout is not None:
+            timeout = timeout_seconds(timeout, f"AsyncArray.result ({source.where(self._index)})")
         value = source.value(self._index, timeout)
         self._value = value
         self._source = None
@@ -185,12 +211,17 @@ class AsyncArray(jax.Array):
         """Waits, then returns what this leaf failed with, or None.
 
         Raises:
+          TypeError: ``timeout`` is not a number nor None.
           TimeoutError: not done within ``timeout`` seconds.
           concurrent.futures.CancelledError: the task was cancelled.
         """
         source = self._source
         if source is None:
             return None
+        if timeout is not None:
+            timeout = timeout_seconds(
+                timeout, f"AsyncArray.exception ({source.where(self._index)})"
+            )
         fut = source.future
         if not fut.done() and not fut.wait(timeout):
             raise TimeoutError(f"{source.where(self._index)}: not done after {timeout} s")
@@ -206,7 +237,15 @@ class AsyncArray(jax.Array):
     def add_done_callback(self, fn: Callable[[AsyncArray], Any]) -> None:
         """Calls ``fn(self)`` once done, on the thread that finished the task
         (at once, here, if done). Exceptions from ``fn`` are logged to the
-        ``async_array`` logger."""
+        ``async_array`` logger.
+
+        Raises:
+          TypeError: ``fn`` is not callable.
+        """
+        if not callable(fn):
+            raise TypeError(
+                f"AsyncArray.add_done_callback: fn must be callable, got {type(fn).__name__}"
+            )
         source = self._source
         if source is None:
             _call_back(fn, self)
@@ -218,22 +257,36 @@ class AsyncArray(jax.Array):
         self.result().block_until_ready()
         return self
 
+    def future(self) -> concurrent.futures.Future:
+        """This leaf as a ``concurrent.futures.Future`` (the same object on
+        every call), for the tools that collect futures:
+        ``concurrent.futures.wait``/``as_completed``, ``asyncio.wrap_future``,
+        ``asyncio.gather``. (An ``AsyncArray`` is an array, so unhashable, and
+        those tools need hashable futures.)
+
+        It completes with the leaf's ``jax.Array`` or its exception, is
+        cancelled with the leaf, and its ``cancel()`` cancels the leaf's task
+        if it has not started (every leaf of that task). Never waits.
+        """
+        fut = self._future
+        if fut is None:
+            with _FUTURE_LOCK:
+                fut = self._future
+                if fut is None:
+                    fut = self._future = _leaf_future(self)
+        return fut
+
     def __await__(self) -> Generator[Any, None, jax.Array]:
-        if not self.done():
-            loop = asyncio.get_running_loop()
-            waiter = loop.create_future()
-
-            def wake(_: Any) -> None:
-                loop.call_soon_threadsafe(_set_done, waiter)
-
-            self.add_done_callback(wake)
-            yield from waiter.__await__()
-        return self.result()
+        """``await x``: as ``await asyncio.wrap_future(x.future())``. A
+        cancelled leaf raises ``asyncio.CancelledError``; cancelling the
+        awaiting task cancels the leaf if its task has not started."""
+        return asyncio.wrap_future(self.future()).__await__()
 
     def __repr__(self) -> str:
         spec = f"shape={self.shape}, dtype={self.dtype.name}"
         if not self.done():
-            return f"AsyncArray(pending, {spec})"
+            state = "running" if self.running() else "pending"
+            return f"AsyncArray({state}, {spec})"
         source = self._source
         failed = source.error(self._index) if source is not None else None
         if failed is not None:
@@ -272,9 +325,52 @@ def _call_back(fn: Callable[[AsyncArray], Any], leaf: AsyncArray, *_: Any) -> No
         _LOG.exception("async_array: exception in done-callback %r of %r", fn, leaf)
 
 
-def _set_done(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+_FUTURE_LOCK = threading.Lock()
+
+
+class LeafFuture(concurrent.futures.Future):
+    """The ``concurrent.futures.Future`` of one leaf (``AsyncArray.future()``):
+    ``cancel()`` cancels the leaf's task first, so both agree."""
+
+    def __init__(self, cancel_task: Callable[[], bool]) -> None:
+        super().__init__()
+        self._cancel_task = cancel_task
+
+    def cancel(self) -> bool:
+        if self.done():
+            return self.cancelled()
+        if not self._cancel_task():
+            return False
+        return super().cancel()
+
+
+def _leaf_future(leaf: AsyncArray) -> LeafFuture:
+    # The future refers to the task, not to the leaf: a leaf it kept alive
+    # would keep its own future alive.
+    source = leaf._source
+    if source is None:
+        fut = LeafFuture(lambda: False)
+        fut.set_result(leaf._value)
+        return fut
+    fut = LeafFuture(source.future.cancel)
+    source.future.add_done_callback(functools.partial(_settle, fut, source, leaf._index))
+    return fut
+
+
+def _settle(fut: LeafFuture, source: Source, index: int, _: Any = None) -> None:
+    """Completes a leaf's future as its task ended (on the finishing thread)."""
+    try:
+        if source.future.cancelled():
+            concurrent.futures.Future.cancel(fut)
+            return
+        try:
+            value = source.value(index, 0)
+        except BaseException as exc:  # the leaf's own failure, for the future to hold
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled by its user meanwhile
 
 
 def _forward(name: str) -> Callable[..., Any]:

@@ -18,6 +18,7 @@ from . import _core, _jax_hooks
 from ._array import AsyncArray
 from ._buffer import aligned_array
 from ._core import HostBuffer
+from ._errors import free_frames
 from ._spec import LeafSpecs, Sharding
 
 # Results numpy must build a new array from: that array is ours alone.
@@ -28,9 +29,10 @@ def _check_cast(src: np.dtype, dst: np.dtype, where: str) -> None:
     if src == dst or (src.kind in "biu" and dst.kind in "iu"):
         return  # integers: any width or sign, range-checked by _copy_checked
     if not np.can_cast(src, dst, casting="same_kind"):
-        raise TypeError(
+        raise invalid(
+            TypeError,
             f"{where}: expected dtype {dst}, got {src}; async_array casts only within "
-            "a kind (numpy same_kind: e.g. float64 to float32, int64 to int32)"
+            "a kind (numpy same_kind: e.g. float64 to float32, int64 to int32)",
         )
 
 
@@ -43,9 +45,10 @@ def _copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
         info = np.iinfo(to)
         lo, hi = int(value.min()), int(value.max())
         if lo < info.min or hi > info.max:
-            raise OverflowError(
+            raise invalid(
+                OverflowError,
                 f"{where}: expected dtype {to}, got {src} values in [{lo}, {hi}], outside "
-                f"{to}'s range [{info.min}, {info.max}]; async_array never wraps integers"
+                f"{to}'s range [{info.min}, {info.max}]; async_array never wraps integers",
             )
     with np.errstate(all="ignore"):
         np.copyto(dst, value, casting="unsafe")
@@ -54,9 +57,10 @@ def _copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
             grew = np.isinf(dst) & np.isfinite(value)
         if grew.any():
             bad = value[grew].flat[0]
-            raise OverflowError(
+            raise invalid(
+                OverflowError,
                 f"{where}: expected dtype {to}, got {src} value {bad} which is finite "
-                f"but beyond {to}'s range (it would become inf)"
+                f"but beyond {to}'s range (it would become inf)",
             )
 
 
@@ -67,38 +71,66 @@ def _on_one_cpu(sharding: Sharding) -> bool:
     return not more and device.platform == "cpu"
 
 
-def _host_array(value: Any, where: str) -> np.ndarray:
+def describe(value: Any) -> str:
+    """How a message names a result that is not an array: its type, and for
+    text its start, for a dict its first keys."""
+    kind = type(value).__name__
+    if isinstance(value, (str, bytes)):
+        text = repr(value)
+        return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
+    if isinstance(value, dict):
+        keys = [repr(k) for k in list(value)[:5]]
+        more = ", ..." if len(value) > 5 else ""
+        return f"dict with keys [{', '.join(keys)}{more}]"
     if isinstance(value, np.ndarray):
-        return value
-    if hasattr(value, "__dlpack__") and not isinstance(value, (np.generic, HostBuffer)):
-        try:
-            return np.from_dlpack(value)
-        except (TypeError, BufferError, RuntimeError, ValueError):
-            pass  # not a CPU tensor numpy can view: try the array protocol below
-    try:
-        return np.asarray(value)
-    except Exception as exc:
-        raise TypeError(
-            f"{where}: expected an array, got {type(value).__name__} that numpy cannot "
-            f"convert ({exc})"
-        ) from exc
+        return f"numpy array of dtype {value.dtype}"
+    return kind
+
+
+def invalid(kind: type[Exception], message: str) -> Exception:
+    """An error in a result that the leaf's message prefix is added to (see
+    :func:`convert_one`); any other exception is the producer's own."""
+    exc = kind(message)
+    exc._async_array_invalid = True  # type: ignore[attr-defined]
+    return exc
+
+
+# Results that are never arrays, however numpy would wrap them.
+_NOT_ARRAYS = (type(None), str, bytes, dict, set, frozenset)
+
+
+def _cpu_dlpack(value: Any) -> bool:
+    """Whether ``value`` exports host memory through DLPack. Exceptions from
+    its own ``__dlpack_device__`` are its maker's and propagate."""
+    device = getattr(value, "__dlpack_device__", None)
+    if device is None or not hasattr(value, "__dlpack__"):
+        return False
+    return device()[0] == _core.DLPACK_CPU
 
 
 def _host_array(value: Any, where: str) -> np.ndarray:
+    """``value`` as a numpy array (a view where numpy can make one).
+
+    Exceptions raised by the value's own ``__array__``, ``__dlpack__`` or
+    ``__dlpack_device__`` propagate as they are."""
     if isinstance(value, np.ndarray):
-        return value
-    if hasattr(value, "__dlpack__") and not isinstance(value, (np.generic, HostBuffer)):
+        host = value
+    elif isinstance(value, _NOT_ARRAYS):
+        host = None
+    elif not isinstance(value, (np.generic, HostBuffer)) and _cpu_dlpack(value):
+        return np.from_dlpack(value)
+    elif isinstance(value, (list, tuple)):
         try:
-            return np.from_dlpack(value)
-        except (TypeError, BufferError, RuntimeError, ValueError):
-            pass  # not a CPU tensor numpy can view: try the array protocol below
-    try:
-        return np.asarray(value)
-    except Exception as exc:
-        raise TypeError(
-            f"{where}: expected an array, got {type(value).__name__} that numpy cannot "
-            f"convert ({exc})"
-        ) from exc
+            host = np.asarray(value)
+        except ValueError as exc:  # ragged: numpy's words about the user's lists
+            raise invalid(
+                TypeError, f"{where}: expected an array, got a ragged {describe(value)} ({exc})"
+            ) from None
+    else:
+        host = np.asarray(value)
+    if host is None or host.dtype.kind in "OUS":
+        raise invalid(TypeError, f"{where}: expected an array or a number, got {describe(value)}")
+    return host
 
 
 def place(value: Any, aval: Any, sharding: Sharding, committed: bool, where: str) -> jax.Array:
@@ -139,7 +171,7 @@ def place(value: Any, aval: Any, sharding: Sharding, committed: bool, where: str
     else:
         host, ours = _host_array(value, where), type(value) in _BUILT
     if host.shape != shape:
-        raise ValueError(f"{where}: expected shape {shape}, got {host.shape}")
+        raise invalid(ValueError, f"{where}: expected shape {shape}, got {host.shape}")
     if host.dtype == dtype and host.flags.c_contiguous:
         alias = (
             ours
@@ -160,7 +192,7 @@ def _place_jax_array(
     if isinstance(value, AsyncArray):
         value = value.result()
     if value.shape != aval.shape:
-        raise ValueError(f"{where}: expected shape {aval.shape}, got {value.shape}")
+        raise invalid(ValueError, f"{where}: expected shape {aval.shape}, got {value.shape}")
     if value.dtype != aval.dtype:
         return place(np.asarray(value), aval, sharding, committed, where)
     if not value.sharding.is_equivalent_to(sharding, len(aval.shape)):
@@ -226,11 +258,12 @@ def convert_one(specs: LeafSpecs, i: int, value: Any) -> Any:
     exception it alone failed with."""
     try:
         return place(value, specs.avals[i], specs.shardings[i], specs.committed[i], "")
-    except (ValueError, TypeError, OverflowError) as exc:
-        return type(exc)(f"{specs.where(i)}{exc}")
     except Exception as exc:
+        if getattr(exc, "_async_array_invalid", False):
+            return type(exc)(f"{specs.where(i)}{exc}")
+        # The producer's own (from its __array__, say): itself, with its frames.
         exc.add_note(f"async_array: while converting {specs.where(i)}")
-        return exc
+        return free_frames(exc)
 
 
 def convert_results(specs: LeafSpecs, holder: list[Any]) -> list[Any]:

@@ -24,6 +24,7 @@ __all__ = [
     "submit",
     "submit_many",
     "wait_all",
+    "wait_all_or_failure",
 ]
 
 __version__: str
@@ -99,6 +100,9 @@ class HostBuffer:
 def submit(func: Callable[..., Any], *args: Any) -> Future: ...
 def submit_many(func: Callable[..., Any], args_list: list[tuple[Any, ...]]) -> list[Future]: ...
 def wait_all(futures: list[Future], timeout: float | None = None) -> bool: ...
+def wait_all_or_failure(
+    futures: list[Future], timeout: float | None = None
+) -> tuple[bool, int | None]: ...
 def configure(max_workers: int) -> None: ...
 
 # min(32, cpus + 4), cpus being the CPUs this process may use: its affinity mask and

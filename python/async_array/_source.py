@@ -92,7 +92,7 @@ class Source:
                 value = fut.result(0)[index]
                 if not isinstance(value, BaseException):
                     return None
-                leaf_exc, tb = value, None
+                leaf_exc, tb = value, value.__traceback__
             found = (leaf_exc, tb, list(getattr(leaf_exc, "__notes__", ())))
             if errors is None:
                 errors = self.leaf_errors = {}

@@ -57,6 +57,27 @@ def shape_tuple(shape: Any, where: str) -> tuple[int, ...]:
     return out
 
 
+def timeout_seconds(timeout: Any, caller: str) -> float | None:
+    """``timeout`` as the waits take it: None (no limit) or seconds as a float;
+    a negative number counts as zero, as in ``concurrent.futures``.
+
+    Raises:
+      TypeError: not a real number nor None (naming ``caller``).
+      ValueError: NaN.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise TypeError(
+            f"{caller}: timeout must be a number of seconds or None, got "
+            f"{type(timeout).__name__} {timeout!r:.40}"
+        )
+    t = float(timeout)
+    if t != t:
+        raise ValueError(f"{caller}: timeout must be a number of seconds or None, got nan")
+    return max(t, 0.0)
+
+
 def outside_package_stacklevel() -> int:
     """The ``stacklevel`` that makes a warning raised by the caller point at
     the first frame outside async_array: the user's line."""
@@ -105,17 +126,21 @@ def canonical_dtype(dtype: np.dtype, fun_name: str) -> np.dtype:
 _unchanged: dict[tuple[np.dtype, Any, Any], bool] = {}
 
 
-def _canonical(dtype: np.dtype) -> np.dtype:
+def _canonical(dtype: np.dtype, fun_name: str) -> np.dtype:
     config = jax.config
     key = (dtype, config.jax_enable_x64, getattr(config, "jax_explicit_x64_dtypes", None))
     if _unchanged.get(key):
         return dtype
-    out = canonical_dtype(dtype, "async_wrap")  # warns when it narrows
+    out = canonical_dtype(dtype, fun_name)  # warns when it narrows
     _unchanged[key] = out == dtype
     return out
 
 
-def _dtype(dtype: Any, where: str) -> np.dtype:
+def _dtype(dtype: Any, where: str, fun_name: str) -> np.dtype:
+    if isinstance(dtype, type) and dtype in (bool, int, float, complex):
+        # Python's own types mean JAX's default of that kind (float32 unless
+        # x64 is on), without a warning: as jnp.zeros(3, dtype=float).
+        return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -124,7 +149,7 @@ def _dtype(dtype: Any, where: str) -> np.dtype:
         raise TypeError(f"{where}: dtype {dt} is not a JAX array dtype")
     if dt.byteorder == ">":
         dt = dt.newbyteorder("=")
-    return _canonical(dt)
+    return _canonical(dt, fun_name)
 
 
 _avals: dict[tuple[tuple[int, ...], np.dtype], Any] = {}
@@ -227,7 +252,7 @@ def declare(
         if shape is None or dtype is None:
             raise TypeError(f"{name}: needs shape= and dtype=, or like= (a pytree of specs)")
         dims = shape_tuple(shape, name)
-        dt = _dtype(dtype, name)
+        dt = _dtype(dtype, name, name.partition("(")[0])
         if sharding is not None:
             _check_sharding(sharding, dims, name)
         specs = LeafSpecs(name, None, None)
@@ -250,7 +275,8 @@ def declare_tree(specs: LeafSpecs, leaves: list[Any], sharding: Any) -> LeafSpec
             key = (leaf.shape, leaf.dtype)
             aval = seen_avals.get(key)
             if aval is None:
-                aval = seen_avals[key] = _aval(shape_tuple(leaf.shape, ""), _dtype(leaf.dtype, ""))
+                dt = _dtype(leaf.dtype, "", specs.name.partition("(")[0])
+                aval = seen_avals[key] = _aval(shape_tuple(leaf.shape, ""), dt)
         except AttributeError:
             raise TypeError(
                 f"{specs.where(i)}: a like leaf needs .shape and .dtype "

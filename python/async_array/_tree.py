@@ -7,8 +7,10 @@ GIL-free wait in the Rust core, not in a Python loop of per-leaf waits.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
+import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -18,6 +20,7 @@ import jax
 from . import _core
 from ._array import AsyncArray, source_of, where_of
 from ._source import pending
+from ._spec import timeout_seconds
 
 FIRST_COMPLETED = "FIRST_COMPLETED"
 FIRST_EXCEPTION = "FIRST_EXCEPTION"
@@ -38,12 +41,32 @@ def paused_gc() -> Generator[None, None, None]:
             gc.enable()
 
 
+def failure_of(leaf: AsyncArray) -> BaseException | None:
+    """What a done leaf failed with (its exception, or ``CancelledError``),
+    else None. Never waits; marks nothing retrieved."""
+    source = source_of(leaf)
+    if source is None or not source.future.done():
+        return None
+    failed = source.error(leaf._index)
+    return None if failed is None else failed[0]
+
+
 def not_ready(caller: str, leaves: Sequence[AsyncArray], timeout: float | None) -> TimeoutError:
-    """A TimeoutError naming how many of ``leaves`` are pending, and the first."""
+    """A TimeoutError naming how many of ``leaves`` are pending and the first,
+    and the failures already known (up to three)."""
     waiting = [leaf for leaf in leaves if not leaf.done()]
     first = where_of(waiting[0]) if waiting else "none"
     count = f"{len(waiting)} leaf" if len(waiting) == 1 else f"{len(waiting)} leaves"
-    return TimeoutError(f"{caller}: {count} not ready after {timeout} s (the first: {first})")
+    text = f"{caller}: {count} not ready after {timeout} s (the first: {first})"
+    failures = []
+    for leaf in leaves:
+        exc = failure_of(leaf)
+        if exc is not None:
+            failures.append(f"{where_of(leaf)}: {type(exc).__name__}: {exc}")
+    if failures:
+        more = f" and {len(failures) - 3} more" if len(failures) > 3 else ""
+        text += f"; already failed: {'; '.join(failures[:3])}{more}"
+    return TimeoutError(text)
 
 
 def resolve_all(
@@ -54,14 +77,27 @@ def resolve_all(
     ``AsyncArray`` leaves become ``jax.Array``; others pass through.
 
     Raises:
-      TimeoutError: some leaf not ready within ``timeout`` seconds.
-      Exception: the first failed leaf's exception.
+      TypeError: ``timeout`` is not a number nor None.
+      TimeoutError: some leaf not ready within ``timeout`` seconds; it names
+        the failures already known.
+      Exception: a failed leaf's exception, as soon as one is known (a
+        failure never waits behind slow leaves): the first failed leaf in
+        leaf order among the tasks that had failed, else the first to fail.
     """
+    if timeout is not None:
+        timeout = timeout_seconds(timeout, caller)
     with paused_gc():
         arrays = [leaf for leaf in leaves if type(leaf) is AsyncArray]
-        futures = pending(map(source_of, arrays)).futures
-        if futures and not _core.wait_all(futures, timeout):
-            raise not_ready(caller, arrays, timeout)
+        found = pending(map(source_of, arrays))
+        if found.futures:
+            for i in found.ready:  # a failure already known goes first
+                if failure_of(arrays[i]) is not None:
+                    arrays[i].result()
+            stopped, failed = _core.wait_all_or_failure(found.futures, timeout)
+            if failed is not None:
+                arrays[found.groups[failed][0]].result()  # raises its failure
+            if not stopped and any(not leaf.done() for leaf in arrays):
+                raise not_ready(caller, arrays, timeout)
         return [leaf.result() if type(leaf) is AsyncArray else leaf for leaf in leaves]
 
 
@@ -77,8 +113,10 @@ def materialize(tree: Any, timeout: float | None = None) -> Any:
       own fast path.
 
     Raises:
-      TimeoutError: some leaf not ready within ``timeout`` seconds.
-      Exception: the first failed leaf's exception (in leaf order).
+      TimeoutError: some leaf not ready within ``timeout`` seconds (naming
+        the failures already known).
+      Exception: a failed leaf's exception, as soon as one is known (see
+        :func:`resolve_all`); when all are done, the first in leaf order.
 
     Examples:
       >>> import numpy as np, async_array as aa
@@ -102,13 +140,18 @@ class Pending(NamedTuple):
     ready: list[int]
 
 
-def _pending(tree: Any) -> Pending:
+def _pending(tree: Any, distinct: bool = False) -> Pending:
+    """The tree's ``AsyncArray`` leaves with their key paths, grouped by task;
+    with ``distinct``, a leaf that appears twice is kept at its first path."""
     with paused_gc():
         flat = [
             (path, leaf)
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
             if isinstance(leaf, AsyncArray)
         ]
+        if distinct:
+            seen: set[int] = set()
+            flat = [pair for pair in flat if not (id(pair[1]) in seen or seen.add(id(pair[1])))]
         found = pending(source_of(leaf) for _, leaf in flat)
         return Pending(flat, found.futures, found.groups, found.ready)
 
@@ -147,20 +190,20 @@ def wait(
             f"aa.wait: return_when must be ALL_COMPLETED, FIRST_COMPLETED or "
             f"FIRST_EXCEPTION, got {return_when!r}"
         )
+    if timeout is not None:
+        timeout = timeout_seconds(timeout, "aa.wait")
     p = _pending(tree)
     if p.futures:
         if return_when == ALL_COMPLETED:
             _core.wait_all(p.futures, timeout)
         elif return_when == FIRST_COMPLETED and not p.ready:
             _core.Watcher(p.futures).next(timeout)
-        elif return_when == FIRST_EXCEPTION and not any(
-            p.paths[i][1].exception() is not None for i in p.ready
-        ):
+        elif return_when == FIRST_EXCEPTION and not any(_raised(p.paths[i][1]) for i in p.ready):
             deadline = None if timeout is None else time.monotonic() + timeout
             watcher = _core.Watcher(p.futures)
             for _ in p.futures:
                 k = watcher.next(_remaining(deadline))
-                if k is None or any(p.paths[i][1].exception() is not None for i in p.leaves[k]):
+                if k is None or any(_raised(p.paths[i][1]) for i in p.leaves[k]):
                     break
     done, not_done = [], []
     for pair in p.paths:
@@ -168,33 +211,106 @@ def wait(
     return DoneAndNotDone(done, not_done)
 
 
+def _raised(leaf: AsyncArray) -> bool:
+    """Done by raising (``concurrent.futures.wait``'s FIRST_EXCEPTION test): a
+    cancelled leaf is done, but did not raise."""
+    return not leaf.cancelled() and failure_of(leaf) is not None
+
+
 def as_completed(tree: Any, timeout: float | None = None) -> Iterator[tuple[Any, jax.Array]]:
     """Yields ``(key_path, jax.Array)`` for each ``AsyncArray`` leaf as it finishes.
 
     Leaves already done come first, in tree order; the rest in the order their
     tasks finish (leaves of one task together, in tree order). Each step is one
-    GIL-free wait on whichever task finishes next.
+    GIL-free wait on whichever task finishes next. A leaf that appears more
+    than once in the tree is yielded once, at its first key path. What was
+    yielded is not kept: the generator holds neither the tree nor the leaves
+    it has yielded (as ``concurrent.futures.as_completed``).
 
     Args:
       tree: any pytree; leaves that are not ``AsyncArray`` are skipped.
       timeout: seconds for the whole iteration; None waits as long as it takes.
 
     Raises:
+      TypeError: ``timeout`` is not a number nor None (at the call).
       TimeoutError: leaves still pending after ``timeout`` seconds.
       Exception: a failed leaf's exception, when that leaf is reached.
     """
+    if timeout is not None:
+        timeout = timeout_seconds(timeout, "aa.as_completed")
+    return _as_completed(_pending(tree, distinct=True), timeout)
+
+
+def _as_completed(p: Pending, timeout: float | None) -> Iterator[tuple[Any, jax.Array]]:
     deadline = None if timeout is None else time.monotonic() + timeout
-    p = _pending(tree)
+    paths = p.paths
     for i in p.ready:
-        path, leaf = p.paths[i]
-        yield path, leaf.result()
+        path, leaf = paths[i]
+        paths[i] = None  # type: ignore[call-overload]
+        value = leaf.result()
+        del leaf
+        yield path, value
+        del path, value
     if not p.futures:
         return
     watcher = _core.Watcher(p.futures)
-    for _ in p.futures:
+    futures = p.futures
+    for _ in range(len(futures)):
         k = watcher.next(_remaining(deadline))
         if k is None:
-            raise not_ready("aa.as_completed", [leaf for _, leaf in p.paths], timeout)
+            raise not_ready("aa.as_completed", [pair[1] for pair in paths if pair], timeout)
+        futures[k] = None  # type: ignore[call-overload]
         for i in p.leaves[k]:
-            path, leaf = p.paths[i]
-            yield path, leaf.result()
+            path, leaf = paths[i]
+            paths[i] = None  # type: ignore[call-overload]
+            value = leaf.result()
+            del leaf
+            yield path, value
+            del path, value
+
+
+def future(tree: Any) -> concurrent.futures.Future:
+    """One ``concurrent.futures.Future`` of the whole tree: it completes with
+    ``aa.materialize(tree)`` once every ``AsyncArray`` leaf is done, or with a
+    failed leaf's exception as soon as one is known. Never waits.
+
+    For ``asyncio``: ``await asyncio.wrap_future(aa.future(tree))``. Its
+    ``cancel()`` cancels this future only; the leaves' tasks go on (cancel
+    those with each leaf's ``cancel()``).
+    """
+    p = _pending(tree)
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    if not p.futures:
+        _settle_tree(out, tree)
+        return out
+    left = [len(p.futures)]
+    lock = threading.Lock()
+
+    def one_done(fut: _core.Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last or fut.cancelled() or fut.exception(0) is not None:
+            _settle_tree(out, tree)
+
+    for fut in p.futures:
+        fut.add_done_callback(one_done)
+    return out
+
+
+def _settle_tree(out: concurrent.futures.Future, tree: Any) -> None:
+    if out.done():
+        return
+    try:
+        value = materialize(tree, 0)
+    except BaseException as exc:  # a leaf's failure, for the future to hold
+        value, failed = None, exc
+    else:
+        failed = None
+    try:
+        if failed is not None:
+            out.set_exception(failed)
+        else:
+            out.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled, or settled by another task's callback meanwhile
