@@ -279,6 +279,7 @@ def test_materialize_raises_a_known_failure_without_waiting_for_slow_leaves():
     slow.open()
 
 
+@pytest.mark.needs_jax_hooks  # jax.jit takes the leaves directly
 def test_jit_dispatch_raises_a_known_failure_without_waiting():
     slow = Gate(np.ones(3, F32))
     bad = failing_leaf(ConnectionError("reset"))
