@@ -92,9 +92,14 @@ impl Job for PyTask {
             // Taken by the batch below on this thread: already attached.
             return Python::attach(|py| self.call(py));
         }
-        let future = self.future.clone();
+        // Not a clone of the future kept across the batch: a batch may run
+        // for as long as the tasks it takes block, and this task's value
+        // must be freed as soon as its leaves are.
+        let mut task = Some(self);
         let attached = Python::try_attach(|py| {
-            self.call(py);
+            if let Some(task) = task.take() {
+                task.call(py);
+            }
             IN_BATCH.with(|b| b.set(true));
             let until = Instant::now() + BATCH;
             while Instant::now() < until {
@@ -105,9 +110,10 @@ impl Job for PyTask {
             }
             IN_BATCH.with(|b| b.set(false));
         });
-        if attached.is_none() {
+        if let (None, Some(task)) = (attached, task) {
             // The interpreter is finalizing: no Python can run any more.
-            future.complete(Outcome::Error(TaskError::Core(Error::ShutDown)));
+            task.future
+                .complete(Outcome::Error(TaskError::Core(Error::ShutDown)));
         }
     }
 

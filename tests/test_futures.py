@@ -258,8 +258,8 @@ def test_as_completed_keeps_nothing_it_has_yielded():
     del first
     gates[1].open()
     _, second = next(it)
-    # The worker that finished the first task may still hold its batch of
-    # results for a moment: poll, with a collection each time.
+    # The worker that ran the first task lets go of it once its batch loop
+    # moves on (a batch used to keep it while a later task blocked): poll.
     poll_until(lambda: gc.collect() >= 0 and alive() is None, "the first value to be freed")
     assert float(second[0]) == 1.0
     gates[2].open()
