@@ -28,6 +28,12 @@ pub enum Error {
     /// The task was running in the parent when `os.fork()` made this process:
     /// `RuntimeError`.
     Abandoned,
+    /// The task was queued in the parent when `os.fork()` made this process; it
+    /// runs there, not here: `RuntimeError`.
+    QueuedAtFork,
+    /// No pool thread could start (the OS error) while all `threads` were
+    /// blocked waiting on queued work, so the task would never run: `RuntimeError`.
+    ThreadStart { error: String, threads: usize },
     /// The pool is shut down (interpreter exit); nothing new runs: `RuntimeError`.
     ShutDown,
     /// An argument's value is out of its domain: `ValueError`.
@@ -65,6 +71,16 @@ impl From<Error> for PyErr {
                 "async_array: this task was running in the parent process when os.fork() \
                  was called; the child has no thread to finish it",
             ),
+            Error::QueuedAtFork => PyRuntimeError::new_err(
+                "async_array: this task was queued in the parent process when os.fork() was \
+                 called; it runs in the parent, not in this child (submit it again here to run it here)",
+            ),
+            Error::ThreadStart { error, threads } => PyRuntimeError::new_err(format!(
+                "async_array: the pool could not start a thread ({error}) while all {threads} of \
+                 its threads were blocked waiting on queued work, so this task would never run. \
+                 A task that waits on another gets a stand-in thread, as far as the OS allows \
+                 (pid limits, RLIMIT_AS, memory): wait on fewer leaves from inside tasks, or raise the limit"
+            )),
             Error::ShutDown => PyRuntimeError::new_err(
                 "async_array: the pool is shut down (interpreter exit); nothing new can run",
             ),
@@ -178,6 +194,25 @@ mod tests {
         let msg = raised::<PyRuntimeError>(Error::Abandoned);
         assert!(msg.starts_with("async_array: this task was running in the parent"));
         assert!(msg.contains("os.fork()"), "{msg}");
+    }
+
+    #[test]
+    fn queued_at_fork_is_runtime_error_that_names_fork() {
+        let msg = raised::<PyRuntimeError>(Error::QueuedAtFork);
+        assert!(msg.starts_with("async_array: this task was queued in the parent"));
+        assert!(msg.contains("os.fork()"), "{msg}");
+    }
+
+    #[test]
+    fn thread_start_is_runtime_error_with_the_os_error_and_the_count() {
+        let msg = raised::<PyRuntimeError>(Error::ThreadStart {
+            error: "Resource temporarily unavailable (os error 11)".into(),
+            threads: 7,
+        });
+        assert!(
+            msg.starts_with("async_array: the pool could not start a thread (Resource temporarily unavailable (os error 11)) while all 7"),
+            "{msg}"
+        );
     }
 
     #[test]

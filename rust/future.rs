@@ -105,6 +105,11 @@ impl<T, E> Future<T, E> {
         }
     }
 
+    /// True when no other strong handle to this future exists right now.
+    pub fn is_sole_handle(&self) -> bool {
+        Arc::strong_count(&self.shared) == 1
+    }
+
     /// True when both handles name the same future.
     pub fn same_as(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.shared, &other.shared)

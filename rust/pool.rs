@@ -10,12 +10,18 @@ use crate::locks::{lock, wait_once};
 use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
 
 /// One unit of work. `cancel` is called instead of `run` for work that will
-/// never run (the pool shut down while it was queued).
+/// never run (the pool shut down while it was queued); `refuse` for work that
+/// cannot run for a reason its waiters must hear.
 pub trait Job: Send + 'static {
     fn run(self: Box<Self>);
     fn cancel(self: Box<Self>);
+    fn refuse(self: Box<Self>, why: Refusal) {
+        let _ = why;
+        self.cancel();
+    }
     /// Something to fail if this job's thread vanishes while it runs (after
     /// `fork`, the child has none of the parent's threads).
     fn abandon_handle(&self) -> Option<Arc<dyn Abandon>> {
@@ -28,6 +34,16 @@ pub trait Job: Send + 'static {
 /// foreign code (hold the future weakly).
 pub trait Abandon: Send + Sync {
     fn abandon(&self);
+}
+
+/// Why a queued job will never run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// No new thread could start (the OS error) while every one of the pool's
+    /// `threads` was blocked waiting on other work: nothing would take it.
+    ThreadStart { error: String, threads: usize },
+    /// Queued in the parent when `fork()` made this process: it runs there.
+    QueuedAtFork,
 }
 
 /// Why a job was not queued.
@@ -48,11 +64,18 @@ struct State {
     wakeups: usize,
     /// Workers inside `blocking`.
     blocked: usize,
+    /// Workers between taking a job and finishing it (a batch counts once).
+    running_jobs: usize,
+    /// Threads in `wait_for_running_jobs`.
+    idle_waiters: usize,
     shutdown: bool,
     /// What each running job would need failing after `fork`, by worker slot.
     running: Vec<Option<Arc<dyn Abandon>>>,
     free_slots: Vec<usize>,
     spawned_total: usize,
+    /// Jobs taken off the queue that will never run, refused once the lock
+    /// is let go (dropping a job may run foreign code).
+    refused: Vec<(Box<dyn Job>, Refusal)>,
 }
 
 impl State {
@@ -65,6 +88,8 @@ impl State {
 struct Inner {
     state: Mutex<State>,
     work: Condvar,
+    /// Signalled when the last running job finishes and someone waits for that.
+    idle: Condvar,
     name: String,
     hooks: ThreadHooks,
 }
@@ -109,6 +134,18 @@ pub fn on_worker_thread() -> bool {
     WORKER.with(Cell::get).is_some()
 }
 
+/// Lets go of the pool's lock, then refuses the jobs set aside under it.
+fn refuse(mut st: MutexGuard<'_, State>) {
+    if st.refused.is_empty() {
+        return;
+    }
+    let refused = std::mem::take(&mut st.refused);
+    drop(st);
+    for (job, why) in refused {
+        job.refuse(why);
+    }
+}
+
 impl Pool {
     pub fn new(name: &str, max_workers: usize) -> Self {
         Self::with_hooks(name, max_workers, ThreadHooks::default())
@@ -124,12 +161,16 @@ impl Pool {
                     sleeping: 0,
                     wakeups: 0,
                     blocked: 0,
+                    running_jobs: 0,
+                    idle_waiters: 0,
                     shutdown: false,
                     running: Vec::new(),
                     free_slots: Vec::new(),
                     spawned_total: 0,
+                    refused: Vec::new(),
                 }),
                 work: Condvar::new(),
+                idle: Condvar::new(),
                 name: name.to_owned(),
                 hooks,
             }),
@@ -168,6 +209,7 @@ impl Pool {
             }
             self.wake_or_spawn(&mut st);
         }
+        refuse(st);
         Ok(())
     }
 
@@ -218,8 +260,22 @@ impl Pool {
                 st.threads += 1;
                 st.spawned_total += 1;
             }
-            // Out of threads: the queued work waits for a running worker.
-            Err(_) => st.free_slots.push(slot),
+            Err(error) => {
+                st.free_slots.push(slot);
+                // Out of threads: the queued work waits for a worker that is
+                // running a job. With every worker blocked on other work (or
+                // none at all), nothing would ever take it: refuse it, so that
+                // its waiters get an error instead of a hang.
+                if st.threads == st.blocked && st.sleeping == 0 {
+                    let why = Refusal::ThreadStart {
+                        error: error.to_string(),
+                        threads: st.threads,
+                    };
+                    let queued = std::mem::take(&mut st.queue);
+                    st.refused
+                        .extend(queued.into_iter().map(|job| (job, why.clone())));
+                }
+            }
         }
     }
 
@@ -238,7 +294,7 @@ impl Pool {
                     // This thread may have been woken for queued work: pass it on.
                     self.wake_for_unclaimed_work(&mut st);
                 }
-                drop(st);
+                refuse(st);
                 if let Some(stop) = self.inner.hooks.stop {
                     stop();
                 }
@@ -246,10 +302,15 @@ impl Pool {
             }
             if let Some(job) = st.queue.pop_front() {
                 st.running[slot] = job.abandon_handle();
+                st.running_jobs += 1;
                 drop(st);
                 job.run();
                 st = lock(&self.inner.state);
                 st.running[slot] = None;
+                st.running_jobs -= 1;
+                if st.running_jobs == 0 && st.idle_waiters > 0 {
+                    self.inner.idle.notify_all();
+                }
                 continue;
             }
             st.sleeping += 1;
@@ -273,6 +334,7 @@ impl Pool {
             let mut st = lock(&self.inner.state);
             st.blocked += 1;
             self.wake_for_unclaimed_work(&mut st);
+            refuse(st);
         }
         struct Unblock<'a>(&'a Pool);
         impl Drop for Unblock<'_> {
@@ -301,6 +363,7 @@ impl Pool {
             st.sleeping = 0;
             self.inner.work.notify_all();
         }
+        refuse(st);
     }
 
     pub fn max_workers(&self) -> usize {
@@ -334,6 +397,22 @@ impl Pool {
         }
     }
 
+    /// Waits until no worker runs a job, or until `deadline`; true when none
+    /// does. With the queue cancelled by [`Pool::shutdown`], this is the wait
+    /// at interpreter exit for the jobs already running.
+    pub fn wait_for_running_jobs(&self, deadline: Option<Instant>) -> bool {
+        let mut st = lock(&self.inner.state);
+        while st.running_jobs > 0 {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return false;
+            }
+            st.idle_waiters += 1;
+            st = wait_once(&self.inner.idle, st, deadline);
+            st.idle_waiters -= 1;
+        }
+        true
+    }
+
     /// Takes the pool's lock for the duration of the `fork()` call itself (from
     /// a `pthread_atfork` prepare handler), so that the child inherits neither
     /// the lock held by a thread it does not have, nor the state mid-update.
@@ -350,13 +429,17 @@ impl Pool {
     }
 
     /// In the child only the forking thread exists: forget the parent's
-    /// workers, fail the jobs they were running, and start threads for what is
-    /// still queued. Call it once the guard of [`Pool::lock_for_fork`] is dropped.
+    /// workers and fail the jobs they were running. What was queued runs in
+    /// the parent; here it is refused ([`Refusal::QueuedAtFork`]), so that no
+    /// loader runs once per process. Call it once the guard of
+    /// [`Pool::lock_for_fork`] is dropped.
     pub fn after_fork_child(&self) {
         let mut st = lock(&self.inner.state);
         // A worker that forks (a task calling os.fork) lives on in the child.
         let me = self.my_slot();
         st.threads = usize::from(me.is_some());
+        st.running_jobs = usize::from(me.is_some());
+        st.idle_waiters = 0;
         st.sleeping = 0;
         st.wakeups = 0;
         st.blocked = 0;
@@ -371,14 +454,10 @@ impl Pool {
             .filter(|&(s, _)| Some(s) != me)
             .filter_map(|(_, job)| job.take())
             .collect();
-        let startable = st
-            .queue
-            .len()
-            .min(st.max_workers.saturating_sub(st.threads));
-        for _ in 0..startable {
-            self.spawn(&mut st);
-        }
-        drop(st);
+        let queued = std::mem::take(&mut st.queue);
+        st.refused
+            .extend(queued.into_iter().map(|job| (job, Refusal::QueuedAtFork)));
+        refuse(st);
         for job in abandoned {
             job.abandon();
         }
@@ -452,6 +531,9 @@ mod tests {
         }
         fn cancel(self: Box<Self>) {
             self.future.cancel();
+        }
+        fn refuse(self: Box<Self>, why: Refusal) {
+            self.future.complete(Outcome::Error(format!("{why:?}")));
         }
     }
 
@@ -634,7 +716,33 @@ mod tests {
     }
 
     #[test]
-    fn after_fork_child_fails_running_jobs_and_restarts_queued_ones() {
+    fn wait_for_running_jobs_returns_once_the_last_one_ends() {
+        let pool = Pool::new("t", 2);
+        assert!(
+            pool.wait_for_running_jobs(Some(Instant::now())),
+            "nothing runs"
+        );
+        let gate = Arc::new(Mutex::new(()));
+        let held = lock(&gate);
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let g = Arc::clone(&gate);
+        let running = submit(&pool, move || {
+            started_tx.send(()).unwrap();
+            drop(lock(&g));
+            5
+        });
+        started_rx.recv_timeout(WAIT).unwrap();
+        assert!(
+            !pool.wait_for_running_jobs(Some(Instant::now())),
+            "one runs"
+        );
+        drop(held);
+        assert!(pool.wait_for_running_jobs(Some(Instant::now() + WAIT)));
+        assert_eq!(value(&running), 5);
+    }
+
+    #[test]
+    fn after_fork_child_fails_running_jobs_and_refuses_queued_ones() {
         // In-process stand-in for a fork: the "parent's" worker is stuck, so
         // it looks exactly like a thread the child does not have.
         struct Stuck(F, Arc<Mutex<()>>);
@@ -670,7 +778,12 @@ mod tests {
         pool.after_fork_child();
         assert!(stuck.wait_until(Some(Instant::now() + WAIT)));
         assert!(matches!(stuck.outcome(), Some(Outcome::Error(e)) if e == "abandoned"));
-        assert_eq!(value(&queued), 9, "a fresh worker runs what was queued");
+        assert!(queued.wait_until(Some(Instant::now() + WAIT)));
+        assert!(
+            matches!(queued.outcome(), Some(Outcome::Error(e)) if e == "QueuedAtFork"),
+            "what was queued runs in the parent only"
+        );
+        assert_eq!(value(&submit(&pool, || 9)), 9, "new work runs in the child");
         // The stuck worker stands for a thread that no longer exists: it never wakes.
         std::mem::forget(held);
     }

@@ -10,6 +10,7 @@ use crate::wait::{deadline_after, wait_detached};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTraceback, PyTuple};
+use pyo3::{PyTraverseError, PyVisit};
 use std::sync::Arc;
 
 /// The core future behind every Python `Future`: a task's return value, or
@@ -56,6 +57,31 @@ impl PyFuture {
 
 #[pymethods]
 impl PyFuture {
+    /// Lets Python's cyclic garbage collector see the objects a finished
+    /// future holds. A failed leaf's exception, once raised, holds frames
+    /// that hold the leaf, which holds this future: without this, that cycle
+    /// is never freed. Reported only by the sole handle of the core future
+    /// (two handles reporting one reference would make the collector free a
+    /// live object); while a task or a wait holds a handle, nothing is
+    /// reported, which only delays collection. No `__clear__`: the exception
+    /// and the frames in such a cycle clear themselves.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if !self.inner.is_sole_handle() {
+            return Ok(());
+        }
+        match self.inner.outcome() {
+            Some(Outcome::Value(value)) => visit.call(value)?,
+            Some(Outcome::Error(TaskError::Python { value, traceback })) => {
+                visit.call(value)?;
+                if let Some(tb) = traceback {
+                    visit.call(tb)?;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
     /// A pending future that Python completes with `set_result` or
     /// `set_exception` (for results produced inside another task).
     #[new]

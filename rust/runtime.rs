@@ -5,6 +5,7 @@
 use crate::attach::{drop_thread_state, keep_thread_state};
 use crate::error::Error;
 use crate::pool::{ForkGuard, Pool, ThreadHooks};
+use crate::wait::{deadline_after, wait_detached};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::cell::RefCell;
@@ -65,6 +66,19 @@ pub fn shutdown() {
     pool().shutdown();
 }
 
+/// Waits, GIL released, until no pool worker runs a task, or `timeout`
+/// seconds (None: as long as it takes); true when none runs.
+#[pyfunction]
+#[pyo3(signature = (timeout=None))]
+pub fn wait_for_running_tasks(py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+    let deadline = deadline_after(timeout)?;
+    let pool = pool();
+    Ok(wait_detached(py, pool, deadline, |slice| {
+        pool.wait_for_running_jobs(slice).then_some(())
+    })?
+    .is_some())
+}
+
 thread_local! {
     /// The pool's lock, from the `fork()` prepare handler to the parent or child handler.
     static FORK_GUARD: RefCell<Option<ForkGuard<'static>>> = const { RefCell::new(None) };
@@ -116,7 +130,7 @@ fn install_fork_handlers() {}
 
 /// In the child of `os.fork()` (an `after_in_child` hook, run with the GIL and
 /// no other thread): fails the tasks the parent's workers were running and
-/// starts workers for what is still queued.
+/// refuses what was queued (it runs in the parent).
 #[pyfunction]
 pub fn _after_fork_child() {
     if let Some(pool) = POOL.get() {

@@ -6,7 +6,7 @@
 use crate::attach::{call_or_park, park_on_thread_exit};
 use crate::error::{Error, TaskError};
 use crate::future::{Outcome, WeakFuture};
-use crate::pool::{Abandon, Job};
+use crate::pool::{Abandon, Job, Refusal};
 use crate::pyfuture::{CoreFuture, PyFuture};
 use crate::runtime::pool;
 use pyo3::prelude::*;
@@ -119,6 +119,14 @@ impl Job for PyTask {
 
     fn cancel(self: Box<Self>) {
         self.future.cancel();
+    }
+
+    fn refuse(self: Box<Self>, why: Refusal) {
+        let error = match why {
+            Refusal::QueuedAtFork => Error::QueuedAtFork,
+            Refusal::ThreadStart { error, threads } => Error::ThreadStart { error, threads },
+        };
+        self.future.complete(Outcome::Error(TaskError::Core(error)));
     }
 
     fn abandon_handle(&self) -> Option<Arc<dyn Abandon>> {

@@ -19,6 +19,10 @@ assert len(jax.devices()) >= 1
 
 
 import logging  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
 import threading  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
@@ -56,6 +60,46 @@ def poll_until(predicate: Callable[[], bool], what: str, tries: int = 3000) -> N
             return
         pause.wait(0.01)
     assert predicate(), f"gave up waiting for {what}"
+
+
+# -- scripts in a fresh interpreter ----------------------------------------------------
+
+
+def spawn(code: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Starts ``code`` in a fresh interpreter, in its own process group (so that
+    a hung forked grandchild is killed with it)."""
+    full_env = dict(os.environ)
+    full_env.pop(aa._pool.ENV_MAX_WORKERS, None)
+    full_env.update(env or {})
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        start_new_session=True,
+    )
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kills whatever is left of the script's process group."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_script(
+    code: str, *, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter; returns the CompletedProcess."""
+    proc = spawn(code, env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 class Gate:

@@ -6,6 +6,7 @@ import atexit
 import operator
 import os
 import threading
+import time
 from collections.abc import Callable
 
 import jax  # noqa: F401  (imported first: its exit hook must run after ours)
@@ -70,10 +71,15 @@ class JaxWork:
     """Counts pool work that is inside JAX (a hand-off, a compile, a run).
 
     At interpreter exit, JAX's own exit hook tears down its backends; a thread
-    still inside XLA then crashes the process. So exit runs :data:`exit_hooks`,
-    then waits for this count to reach zero (at most :data:`EXIT_GRACE`
-    seconds), and refuses new JAX work. The tasks' own functions are not
-    waited for.
+    still inside XLA then crashes the process. So exit cancels queued tasks,
+    runs :data:`exit_hooks`, waits for running tasks (a task's own ``jnp``
+    calls may be inside JAX), then for this count to reach zero, all within
+    :func:`exit_grace` seconds, and refuses new JAX work.
+
+    At ``os.fork()`` the same count is drained first (at most
+    :data:`FORK_GRACE` seconds) and new JAX work waits until the fork is done:
+    a child forked while a worker was inside XLA (a device put) inherited
+    XLA's locks held by a thread it does not have, and hung.
 
     Use ``with jax_work: ...`` around the JAX part of a pool task, or
     ``enter()`` and ``leave()`` where the work spans callbacks. The count is
@@ -81,20 +87,24 @@ class JaxWork:
     on a condition that the last ``leave()`` wakes.
     """
 
-    __slots__ = ("_active", "_changed", "_exiting")
+    __slots__ = ("_active", "_changed", "_exiting", "_forking")
 
     def __init__(self) -> None:
         self._changed = threading.Condition(threading.Lock())
         self._active = 0
         self._exiting = False
+        self._forking = False
 
     def enter(self) -> None:
-        """Counts one more piece of work.
+        """Counts one more piece of work; while a fork is under way, waits
+        for it first.
 
         Raises:
           RuntimeError: the interpreter is exiting.
         """
         with self._changed:
+            if self._forking:
+                self._changed.wait_for(lambda: not self._forking, FORK_GRACE)
             if self._exiting:
                 raise RuntimeError(
                     "async_array: the interpreter is exiting; no new work goes to JAX"
@@ -119,16 +129,45 @@ class JaxWork:
             self._exiting = True
             return self._changed.wait_for(lambda: self._active <= 0, timeout)
 
+    def before_fork(self) -> None:
+        """Holds off new JAX work and waits (at most :data:`FORK_GRACE`
+        seconds) for the work already inside JAX to leave it."""
+        with self._changed:
+            self._forking = True
+            self._changed.wait_for(lambda: self._active <= 0, FORK_GRACE)
+
+    def after_fork_parent(self) -> None:
+        with self._changed:
+            self._forking = False
+            self._changed.notify_all()
+
     def after_fork_child(self) -> None:
         """In a forked child: a fresh lock, since the parent's may have been
         held by a thread that does not exist here. The count stays: the core
         fails the parent's running tasks in the child, and their callbacks
         leave."""
         self._changed = threading.Condition(threading.Lock())
+        self._forking = False
 
 
-#: Seconds interpreter exit waits for work inside JAX (not for the tasks' functions).
-EXIT_GRACE = 30.0
+ENV_EXIT_GRACE = "ASYNC_ARRAY_EXIT_GRACE"
+
+
+def exit_grace() -> float:
+    """Seconds interpreter exit waits for running tasks, then for work inside
+    JAX: ``$ASYNC_ARRAY_EXIT_GRACE``, else 30."""
+    raw = os.environ.get(ENV_EXIT_GRACE, "").strip()
+    try:
+        grace = float(raw) if raw else 30.0
+    except ValueError:
+        grace = -1.0
+    if not grace >= 0:  # also NaN
+        raise ValueError(f"{ENV_EXIT_GRACE} must be a number of seconds >= 0, got {raw!r}")
+    return grace
+
+
+#: Seconds ``os.fork()`` waits for work inside JAX to leave it before forking anyway.
+FORK_GRACE = 10.0
 
 jax_work = JaxWork()
 
@@ -138,16 +177,29 @@ exit_hooks: list[Callable[[], None]] = []
 
 
 def _at_exit() -> None:
-    _core.shutdown()  # queued tasks are cancelled; running ones are not waited for
+    deadline = time.monotonic() + exit_grace()
+    _core.shutdown()  # queued tasks are cancelled
     for hook in exit_hooks:
         hook()
-    jax_work.drain(EXIT_GRACE)
+    # Finalization ends every thread that then takes the GIL, and one ended
+    # inside JAX's C++ (a task's own jnp call, say) aborts the process
+    # ("FATAL: exception not rethrown"). Which task is inside C++ cannot be
+    # known, so wait for running tasks, as concurrent.futures waits for its
+    # workers; bounded, since a task may also sleep for an hour.
+    _core.wait_for_running_tasks(max(0.0, deadline - time.monotonic()))
+    jax_work.drain(max(0.0, deadline - time.monotonic()))
 
 
+exit_grace()  # a bad value fails at import, not silently at exit
 configure()
 # Registered after `import jax`, so it runs before JAX's own exit hook (LIFO).
 atexit.register(_at_exit)
 # The core holds its lock across fork() itself (pthread_atfork); in the child
-# it then fails the tasks the parent's workers were running and restarts the rest.
+# it then fails the tasks the parent's workers were running and refuses what
+# was queued (that runs in the parent).
 os.register_at_fork(after_in_child=_core._after_fork_child)
-os.register_at_fork(after_in_child=jax_work.after_fork_child)
+os.register_at_fork(
+    before=jax_work.before_fork,
+    after_in_parent=jax_work.after_fork_parent,
+    after_in_child=jax_work.after_fork_child,
+)

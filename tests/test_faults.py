@@ -1,0 +1,249 @@
+"""Reliability under faults (issue 15): nothing leaks, nothing hangs without a
+way out, every failure names its cause."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import jax
+import numpy as np
+import pytest
+from conftest import WAIT, poll_until, run_script
+
+import async_array as aa
+
+F32 = np.float32
+SPEC = jax.ShapeDtypeStruct((2,), F32)
+FAILURES = 2000
+
+
+def _broken() -> None:
+    raise ValueError("404: the weights are gone")
+
+
+def _broken_map(path, spec) -> None:
+    raise ValueError("404: the weights are gone")
+
+
+def _broken_stream():
+    raise ValueError("404: the weights are gone")
+    yield  # a generator
+
+
+MAKERS = {
+    "async_wrap": lambda: aa.async_wrap(_broken, shape=(2,), dtype=F32),
+    "async_map": lambda: aa.async_map(_broken_map, {"w": SPEC})["w"],
+    "async_stream": lambda: aa.async_stream(_broken_stream, {"w": SPEC})["w"],
+    "validation": lambda: aa.async_wrap(lambda: np.zeros(3, F32), shape=(2,), dtype=F32),
+}
+
+
+class CallerLocal:
+    """Stands for a caller's large local: it lives in the frame that the
+    raised exception's traceback holds."""
+
+
+def _raise_and_swallow(make) -> tuple[weakref.ref, weakref.ref]:
+    local = CallerLocal()
+    leaf = make()
+    try:
+        leaf.result(timeout=WAIT)
+    except (ValueError, TypeError):
+        pass
+    else:
+        raise AssertionError("the leaf did not fail")
+    return weakref.ref(leaf), weakref.ref(local)
+
+
+@pytest.mark.parametrize("make", MAKERS.values(), ids=MAKERS.keys())
+def test_failed_leaves_whose_exception_was_raised_are_freed(make):
+    refs = [_raise_and_swallow(make) for _ in range(FAILURES)]
+
+    def alive() -> tuple[int, int]:
+        gc.collect()
+        return sum(r() is not None for r, _ in refs), sum(r() is not None for _, r in refs)
+
+    # A worker lets go of its last future a moment after finishing it.
+    poll_until(lambda: alive() == (0, 0), "the failed leaves to be freed", tries=500)
+    assert alive() == (0, 0)
+
+
+# -- a pool that cannot start threads ---------------------------------------------------
+
+THREAD_LIMIT_SCRIPT = """
+import resource, threading
+import jax
+import numpy as np
+import async_array as aa
+
+jax.numpy.zeros(1).block_until_ready()  # JAX's own threads start before the cap
+aa.configure(max_workers=1)
+# Room for a few more 64 MiB thread stacks (RUST_MIN_STACK) and no more: thread
+# creation fails, as under a container's pid or memory limit, while small
+# allocations still succeed.
+status = open("/proc/self/status").read().splitlines()
+vm_kb = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, ((vm_kb << 10) + (512 << 20), resource.RLIM_INFINITY))
+
+N = 3000
+start = threading.Event()
+leaves = []
+
+def task(k):
+    def f():
+        assert start.wait(120)
+        if k + 1 < N:
+            leaves[k + 1].result(timeout=120)  # each waits on a leaf queued behind it
+        return np.zeros(1, np.float32)
+    return f
+
+leaves.extend(aa.async_wrap(task(k), shape=(1,), dtype=np.float32) for k in range(N))
+start.set()
+exc = leaves[0].exception(timeout=120)
+print(type(exc).__name__, exc, flush=True)
+"""
+
+
+def test_a_pool_that_cannot_start_threads_fails_the_waits_instead_of_hanging():
+    env = {"RUST_MIN_STACK": str(64 << 20), "MALLOC_ARENA_MAX": "1"}
+    proc = run_script(THREAD_LIMIT_SCRIPT, env=env, timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(
+        "RuntimeError async_array: the pool could not start a thread ("
+    ), proc.stdout + proc.stderr
+    assert "blocked waiting on queued work" in proc.stdout
+
+
+# -- fork ----------------------------------------------------------------------------
+
+FORK_HANDOFF_SCRIPT = """
+import os, signal, sys, threading, warnings
+warnings.filterwarnings("ignore", message=".*fork.*")
+import numpy as np
+import async_array as aa
+
+ready = aa.async_wrap(lambda: np.arange(4, dtype=np.float32), shape=(4,), dtype=np.float32)
+assert ready.result(30).tolist() == [0, 1, 2, 3]
+stop = threading.Event()
+
+def hand_off():
+    # Workers keep handing results to JAX (device puts) while main forks.
+    while not stop.is_set():
+        leaves = [
+            aa.async_wrap(lambda: np.ones(256, np.float32), shape=(256,), dtype=np.float32)
+            for _ in range(8)
+        ]
+        aa.materialize(leaves, timeout=30)
+
+threads = [threading.Thread(target=hand_off) for _ in range(2)]
+for t in threads:
+    t.start()
+for _ in range(FORKS):
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(60)  # a hung child dies (SIGALRM) instead of outliving the test
+        os._exit(0 if ready.result(10).shape == (4,) else 1)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        print("child", os.waitstatus_to_exitcode(status), flush=True)
+stop.set()
+for t in threads:
+    t.join()
+print("parent ok", flush=True)
+"""
+
+
+def test_forks_while_workers_hand_off_to_jax_never_hang():
+    proc = run_script(f"FORKS = 40\n{FORK_HANDOFF_SCRIPT}", timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["parent ok"], proc.stdout + proc.stderr
+
+
+QUEUED_AT_FORK_SCRIPT = """
+import os, signal, sys, threading, warnings
+warnings.filterwarnings("ignore", message=".*fork.*")
+import numpy as np
+import async_array as aa
+
+aa.configure(max_workers=1)
+release = threading.Event()
+started = threading.Event()
+runs = []
+
+def hold():
+    started.set()
+    assert release.wait(30)
+    return np.zeros(1, np.float32)
+
+def load(i):
+    def f():
+        runs.append((os.getpid(), i))
+        return np.full(1, i, np.float32)
+    return f
+
+running = aa.async_wrap(hold, shape=(1,), dtype=np.float32)
+assert started.wait(30)
+queued = [aa.async_wrap(load(i), shape=(1,), dtype=np.float32) for i in range(10)]
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)
+    errors = [str(leaf.exception(timeout=30)) for leaf in [running, *queued]]
+    ok = all("os.fork()" in e for e in errors) and "queued in the parent" in errors[1]
+    # New work runs here; what was queued never ran here.
+    ok = ok and aa._core.submit(pow, 3, 2).result(30) == 9 and runs == []
+    sys.stdout.write(f"child {ok} {errors[1]}\\n")
+    sys.stdout.flush()
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+release.set()
+print([float(leaf.result(30)[0]) for leaf in queued], flush=True)
+code = os.waitstatus_to_exitcode(status)
+print("parent runs", sorted(i for _, i in runs), "child", code, flush=True)
+"""
+
+
+def test_tasks_queued_at_fork_run_in_the_parent_only():
+    proc = run_script(QUEUED_AT_FORK_SCRIPT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    child, values, parent = proc.stdout.splitlines()
+    assert child.startswith("child True async_array: this task was queued in the parent"), child
+    assert values == str([float(i) for i in range(10)])
+    assert parent == f"parent runs {list(range(10))} child 0"
+
+
+# -- interpreter exit -------------------------------------------------------------------
+
+EXIT_INSIDE_JAX_SCRIPT = """
+import sys, threading
+import jax.numpy as jnp
+import numpy as np
+import async_array as aa
+
+inside = threading.Event()
+
+def f():  # a loader that computes with JAX: exit comes while it is inside XLA
+    a = jnp.ones((384, 384), jnp.float32)
+    for _ in range(60):
+        a = (a @ a) / 384.0
+        a.block_until_ready()
+        inside.set()
+    return np.asarray(a)
+
+leaf = aa.async_wrap(f, shape=(384, 384), dtype=np.float32)
+assert inside.wait(60)
+sys.exit(3)
+"""
+
+
+def test_exit_while_a_task_is_inside_jax_keeps_the_exit_code():
+    proc = run_script(EXIT_INSIDE_JAX_SCRIPT, timeout=120)
+    for bad in ("terminate called", "FATAL", "Fatal Python error", "Aborted", "Traceback"):
+        assert bad not in proc.stderr, proc.stderr
+    assert proc.returncode == 3, proc.stderr
+
+
+def test_a_bad_exit_grace_fails_at_import():
+    proc = run_script("import async_array", env={"ASYNC_ARRAY_EXIT_GRACE": "soon"})
+    assert proc.returncode == 1
+    assert "ASYNC_ARRAY_EXIT_GRACE must be a number of seconds >= 0, got 'soon'" in proc.stderr
