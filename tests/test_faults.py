@@ -247,3 +247,68 @@ def test_a_bad_exit_grace_fails_at_import():
     proc = run_script("import async_array", env={"ASYNC_ARRAY_EXIT_GRACE": "soon"})
     assert proc.returncode == 1
     assert "ASYNC_ARRAY_EXIT_GRACE must be a number of seconds >= 0, got 'soon'" in proc.stderr
+
+
+# -- bad input fails at the call, naming it ---------------------------------------------
+
+
+def test_a_shape_with_more_elements_than_int64_counts_is_refused_at_the_call():
+    with pytest.raises(
+        ValueError, match=r"async_wrap\(.*\): shape \(1099511627776, 1099511627776\)"
+    ):
+        aa.async_wrap(_broken, shape=(2**40, 2**40), dtype=F32)
+    with pytest.raises(ValueError, match=r"aa.empty: shape \(9223372036854775808,\) has more"):
+        aa.empty((2**63,), np.int8)
+
+
+def test_a_void_dtype_is_refused_at_the_call():
+    with pytest.raises(TypeError, match=r"async_wrap\(.*\): dtype \|V8 is not a JAX array dtype"):
+        aa.async_wrap(_broken, shape=(2,), dtype="V8")
+
+
+def test_an_async_map_fn_of_the_wrong_arity_is_refused_at_the_call():
+    with pytest.raises(TypeError, match=r"async_map: fn must take \(key_path, spec\), got .*\(k\)"):
+        aa.async_map(lambda k: np.zeros(2, F32), {"w": SPEC})
+
+
+def test_a_stream_key_path_that_is_not_a_key_path_is_named(caplog):
+    leaves = aa.async_stream(
+        lambda: iter([(0, np.zeros(2, F32)), ((jax.tree_util.SequenceKey(1),), np.ones(2, F32))]),
+        [SPEC, SPEC],
+    )
+    assert leaves[1].result(timeout=WAIT).tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match=r"unknown key paths 0 \(int, not a key path\)"):
+        leaves[0].result(timeout=WAIT)
+    assert "yielded key path 0 (int, not a key path)" in caplog.text
+
+
+class KeywordOnlyError(Exception):
+    def __init__(self, *, url: str) -> None:
+        super().__init__(f"404: {url}")
+        self.url = url
+
+
+def test_notes_of_an_exception_that_copy_cannot_make_stay_per_leaf():
+    def fails():
+        raise KeywordOnlyError(url="https://example.com/w.bin")
+
+    tree = aa.async_wrap(fails, like={"a": SPEC, "b": SPEC})
+    raised = {}
+    for key in "ab":
+        with pytest.raises(KeywordOnlyError) as info:
+            tree[key].result(timeout=WAIT)
+        raised[key] = info.value
+    assert raised["a"].url == raised["b"].url == "https://example.com/w.bin"
+    assert [n.rsplit(" ", 1)[-1] for n in raised["a"].__notes__] == ["['a']"]
+    assert [n.rsplit(" ", 1)[-1] for n in raised["b"].__notes__] == ["['b']"]
+
+
+def test_many_distinct_shapes_keep_a_bounded_number_of_avals():
+    n = 6000
+    like = {i: jax.ShapeDtypeStruct((i + 1,), F32) for i in range(n)}
+    leaves = aa.async_wrap(lambda: {i: np.zeros(i + 1, F32) for i in range(n)}, like=like)
+    assert not aa.wait(leaves, timeout=WAIT).not_done
+    del leaves, like
+    gc.collect()
+    avals = sum(type(o).__name__ == "ShapedArray" for o in gc.get_objects())
+    assert avals < n

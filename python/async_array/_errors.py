@@ -44,11 +44,19 @@ def free_frames(exc: BaseException) -> BaseException:
 def shallow_copy(exc: BaseException) -> BaseException:
     """A copy of ``exc`` (same type, args, traceback, cause, context and notes),
     so notes added to the copy never reach the original; ``exc`` itself when it
-    cannot be copied."""
+    cannot be made."""
     try:
         dup = copy.copy(exc)
     except Exception:
-        return exc
+        # copy.copy calls type(exc)(*exc.args), which fails for an __init__
+        # with keyword-only arguments: make it without calling __init__.
+        try:
+            dup = type(exc).__new__(type(exc))
+            dup.args = exc.args
+            if hasattr(exc, "__dict__"):
+                dup.__dict__.update(exc.__dict__)
+        except Exception:
+            return exc
     dup.__traceback__ = exc.__traceback__
     dup.__cause__ = exc.__cause__
     dup.__context__ = exc.__context__

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -54,6 +55,21 @@ def _run_leaf(fn: Callable[[Any, Any], Any], path: Any, spec: Any, specs: LeafSp
         return [convert_one(specs, i, value)]
 
 
+def _check_takes_two(fn: Callable[..., Any]) -> None:
+    """Refuses at the call an ``fn`` that cannot take ``(key_path, spec)``,
+    rather than failing every leaf with the same TypeError later."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one: the leaves will say
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise TypeError(
+            f"async_map: fn must take (key_path, spec), got {qualname(fn)}{signature}"
+        ) from None
+
+
 def async_map(fn: Callable[[Any, Any], Any], like: Any, *, sharding: Any = None) -> Any:
     """Runs ``fn(key_path, spec)`` for every leaf of ``like``, one pool task a
     leaf, and returns the tree of ``AsyncArray`` at once.
@@ -77,6 +93,7 @@ def async_map(fn: Callable[[Any, Any], Any], like: Any, *, sharding: Any = None)
     """
     if not callable(fn):
         raise TypeError(f"async_map: fn must be callable, got {type(fn).__name__}")
+    _check_takes_two(fn)
     with paused_gc():
         return _async_map(fn, like, sharding)
 
@@ -91,6 +108,19 @@ def _async_map(fn: Callable[[Any, Any], Any], like: Any, sharding: Any) -> Any:
     futures = _core.submit_many(_run_leaf, args)
     leaves = _one_source_a_leaf(specs, futures)
     return specs.treedef.unflatten(leaves)
+
+
+def _key_text(key_path: Any) -> str:
+    """The keystr text of a yielded key path; for something that is not a
+    key path (``0``, say), its repr and type, so that it is named as unknown."""
+    if isinstance(key_path, str):
+        return key_path
+    if isinstance(key_path, tuple):
+        try:
+            return _keystr(key_path)
+        except Exception:
+            pass
+    return f"{key_path!r} ({type(key_path).__name__}, not a key path)"
 
 
 def _drive_stream(
@@ -116,7 +146,7 @@ def _drive_stream(
                 )
             key_path, value = item
             del item
-            text = key_path if isinstance(key_path, str) else _keystr(key_path)
+            text = _key_text(key_path)
             i = index.get(text)
             if i is None:
                 unknown.append(text)

@@ -15,6 +15,10 @@ from . import _core
 
 ENV_MAX_WORKERS = "ASYNC_ARRAY_MAX_WORKERS"
 
+#: The largest pool size taken: more threads than a process is let start on
+#: common Linux set-ups (a container's pid limit, the kernel's threads-max).
+MAX_WORKERS_LIMIT = 65536
+
 
 def default_max_workers() -> int:
     """``$ASYNC_ARRAY_MAX_WORKERS``, else ``min(32, usable CPUs + 4)`` (the
@@ -27,9 +31,11 @@ def default_max_workers() -> int:
     try:
         n = int(raw)
     except ValueError:
-        raise ValueError(f"{ENV_MAX_WORKERS} must be a positive integer, got {raw!r}") from None
-    if n < 1:
-        raise ValueError(f"{ENV_MAX_WORKERS} must be a positive integer, got {raw!r}")
+        raise ValueError(
+            f"{ENV_MAX_WORKERS} must be from 1 to {MAX_WORKERS_LIMIT}, got {raw!r}"
+        ) from None
+    if not 1 <= n <= MAX_WORKERS_LIMIT:
+        raise ValueError(f"{ENV_MAX_WORKERS} must be from 1 to {MAX_WORKERS_LIMIT}, got {raw!r}")
     return n
 
 
@@ -44,7 +50,8 @@ def configure(max_workers: int | None = None) -> None:
 
     Raises:
       TypeError: ``max_workers`` is not an integer.
-      ValueError: ``max_workers`` < 1, or a bad ``ASYNC_ARRAY_MAX_WORKERS``.
+      ValueError: ``max_workers`` < 1 or > :data:`MAX_WORKERS_LIMIT`, or a bad
+        ``ASYNC_ARRAY_MAX_WORKERS``.
     """
     if max_workers is None:
         n = default_max_workers()
@@ -57,8 +64,10 @@ def configure(max_workers: int | None = None) -> None:
             raise TypeError(
                 f"aa.configure: max_workers must be an integer, got {type(max_workers).__name__}"
             ) from None
-        if n < 1:
-            raise ValueError(f"aa.configure: max_workers must be at least 1, got {n}")
+        if not 1 <= n <= MAX_WORKERS_LIMIT:
+            raise ValueError(
+                f"aa.configure: max_workers must be from 1 to {MAX_WORKERS_LIMIT}, got {n}"
+            )
     _core.configure(n)
 
 

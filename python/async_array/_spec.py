@@ -9,6 +9,7 @@ a call and a leaf.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import sys
 import warnings
@@ -35,12 +36,16 @@ def where(name: str, key_path: str) -> str:
     return f"{name} leaf {key_path}" if key_path else f"{name} result"
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def shape_tuple(shape: Any, where: str) -> tuple[int, ...]:
     """``shape`` (an integer, or an iterable of them) as a tuple of ints.
 
     Raises:
       TypeError: not an integer nor an iterable of integers.
-      ValueError: a negative dimension.
+      ValueError: a negative dimension, or more elements than an int64
+        counts (XLA's limit).
     """
     try:
         dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
@@ -54,6 +59,10 @@ def shape_tuple(shape: Any, where: str) -> tuple[int, ...]:
         raise TypeError(f"{where}: shape must be a tuple of integers, got {shape!r}") from None
     if any(d < 0 for d in out):
         raise ValueError(f"{where}: negative dimension in shape {out}")
+    if math.prod(out) > _INT64_MAX or any(d > _INT64_MAX for d in out):
+        raise ValueError(
+            f"{where}: shape {out} has more elements than an int64 counts (XLA's limit)"
+        )
     return out
 
 
@@ -145,22 +154,20 @@ def _dtype(dtype: Any, where: str, fun_name: str) -> np.dtype:
         dt = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"{where}: unknown dtype {dtype!r}") from None
-    if dt.kind not in "biufcV" or (dt.kind == "V" and dt.names is not None):
+    # Kind V holds ml_dtypes' types (bfloat16, float8_*, int4) and raw bytes
+    # (V8, structs): only the former are JAX array dtypes.
+    if dt.kind not in "biufcV" or (dt.kind == "V" and (dt.names is not None or dt.type is np.void)):
         raise TypeError(f"{where}: dtype {dt} is not a JAX array dtype")
     if dt.byteorder == ">":
         dt = dt.newbyteorder("=")
     return _canonical(dt, fun_name)
 
 
-_avals: dict[tuple[tuple[int, ...], np.dtype], Any] = {}
-
-
+# Bounded: a process that sees many distinct shapes (200k kept 170 MiB) keeps
+# only the recent ones; a miss costs one ShapedArray.
+@functools.lru_cache(maxsize=4096)
 def _aval(shape: tuple[int, ...], dtype: np.dtype) -> Any:
-    key = (shape, dtype)
-    aval = _avals.get(key)
-    if aval is None:
-        aval = _avals[key] = _jax_hooks.shaped_array(shape, dtype)
-    return aval
+    return _jax_hooks.shaped_array(shape, dtype)
 
 
 _default_sharding: Sharding | None = None
