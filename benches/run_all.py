@@ -241,6 +241,16 @@ def python_rows(t: Table, benches: list[dict]) -> None:
                 target="64/64",
                 met=shared == 64,
             )
+    g = "first-touch fill of 512 MiB"
+    ours, twin = med(g, "async_array"), med(g, "np.empty")
+    t.add(
+        "aa.empty: allocate and fill 512 MiB (huge pages)",
+        ours,
+        twin,
+        "np.empty",
+        target="≤ 1.1",
+        met=_lt(ours, twin, 1.1),
+    )
     (small, small_twin), (big, big_twin) = per_leaf["64 MiB"], per_leaf["1 GiB"]
     if small and big and small_twin and big_twin:
         growth = big / small

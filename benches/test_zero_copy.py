@@ -83,3 +83,25 @@ def test_zero_copy(benchmark, rounds, size, way):
     benchmark.extra_info["leaves_sharing_memory"] = sum(same)
     if way == "async_array":
         assert all(same), "a HostBuffer leaf was copied"
+
+
+# -- first touch -------------------------------------------------------------------------
+
+FILL_BYTES = 512 * MiB
+FILL_WAYS = {
+    "async_array": lambda: np.asarray(aa.empty((FILL_BYTES,), np.uint8)),
+    "np.empty": lambda: np.empty(FILL_BYTES, np.uint8),
+}
+
+
+@pytest.mark.benchmark(group="first-touch fill of 512 MiB")
+@pytest.mark.parametrize("way", FILL_WAYS)
+def test_first_touch_fill(benchmark, rounds, way):
+    """Allocate 512 MiB and write every byte once: what a loader pays before
+    its first byte of data lands (page faults; huge pages cut them 512x)."""
+    make = FILL_WAYS[way]
+
+    def fill():
+        make().fill(1)
+
+    benchmark.pedantic(fill, rounds=rounds, iterations=1, warmup_rounds=1)

@@ -2,8 +2,11 @@
 //!
 //! Plain Rust. XLA's CPU client aliases host memory without a copy only when it
 //! is aligned to 64 bytes (its minimum buffer alignment); the system allocator
-//! and numpy guarantee 16. Large allocations are not zeroed eagerly: the pages
-//! come from the kernel on first touch.
+//! and numpy guarantee 16. Contents are never zeroed (like `np.empty`): the
+//! loader overwrites them. Large allocations are aligned to a huge page and
+//! advised to use huge pages, as numpy does for its own large arrays: first
+//! touch then faults in 2 MiB at a time, not 4 KiB (filling 512 MiB ran 4x
+//! slower than `np.empty` without it).
 
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
@@ -11,6 +14,29 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Alignment in bytes of every [`AlignedBuf`].
 pub const ALIGN: usize = 64;
+
+/// From this size on, buffers start on a huge-page boundary and ask for huge pages.
+const HUGE_FROM: usize = 4 << 20;
+/// x86-64's and aarch64's (4 KiB pages) transparent huge page size.
+const HUGE_PAGE: usize = 2 << 20;
+
+fn layout_for(len: usize) -> Option<Layout> {
+    let align = if len >= HUGE_FROM { HUGE_PAGE } else { ALIGN };
+    Layout::from_size_align(len, align).ok()
+}
+
+/// Asks the kernel for transparent huge pages over the buffer; only advice,
+/// so a refusal (no THP, another OS) changes nothing but speed.
+fn advise_huge_pages(ptr: *mut u8, len: usize) {
+    #[cfg(target_os = "linux")]
+    // SAFETY: [ptr, ptr + len) is one live allocation of ours, starting on a
+    // huge-page (so page) boundary; MADV_HUGEPAGE changes no contents.
+    unsafe {
+        libc::madvise(ptr.cast(), len, libc::MADV_HUGEPAGE);
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (ptr, len);
+}
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 
@@ -39,9 +65,13 @@ impl AlignedBuf {
             // A dangling but aligned pointer: nothing is read or freed through it.
             NonNull::new(ALIGN as *mut u8)?
         } else {
-            let layout = Layout::from_size_align(len, ALIGN).ok()?;
+            let layout = layout_for(len)?;
             // SAFETY: `layout` has a non-zero size.
-            NonNull::new(unsafe { alloc::alloc(layout) })?
+            let ptr = NonNull::new(unsafe { alloc::alloc(layout) })?;
+            if len >= HUGE_FROM {
+                advise_huge_pages(ptr.as_ptr(), len);
+            }
+            ptr
         };
         LIVE.fetch_add(1, Ordering::SeqCst);
         Some(AlignedBuf { ptr, len })
@@ -63,13 +93,9 @@ impl AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         if self.len != 0 {
+            let layout = layout_for(self.len).expect("valid when allocated");
             // SAFETY: allocated in `uninit` with this very layout.
-            unsafe {
-                alloc::dealloc(
-                    self.ptr.as_ptr(),
-                    Layout::from_size_align_unchecked(self.len, ALIGN),
-                )
-            };
+            unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
         }
         LIVE.fetch_sub(1, Ordering::SeqCst);
     }
@@ -90,6 +116,8 @@ mod tests {
         for b in &bufs {
             assert_eq!(b.as_ptr() as usize % ALIGN, 0, "len {}", b.len());
         }
+        // Large ones start on a huge page, so huge pages can cover them whole.
+        assert_eq!(bufs[6].as_ptr() as usize % HUGE_PAGE, 0);
         assert!(live_buffers() >= before + bufs.len());
         let big = &bufs[6];
         // Writable over its whole length.

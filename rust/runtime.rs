@@ -106,17 +106,10 @@ extern "C" fn unlock_pool_after_fork() {
 /// thread that takes the GIL and then wants the lock.
 #[cfg(unix)]
 fn install_fork_handlers() {
-    extern "C" {
-        fn pthread_atfork(
-            prepare: Option<extern "C" fn()>,
-            parent: Option<extern "C" fn()>,
-            child: Option<extern "C" fn()>,
-        ) -> std::ffi::c_int;
-    }
     // SAFETY: the handlers are plain functions that live as long as the process
     // (this module is never unloaded) and never unwind.
     let rc = unsafe {
-        pthread_atfork(
+        libc::pthread_atfork(
             Some(lock_pool_for_fork),
             Some(unlock_pool_after_fork),
             Some(unlock_pool_after_fork),

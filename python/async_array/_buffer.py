@@ -24,12 +24,15 @@ def empty(shape: int | tuple[int, ...], dtype: Any) -> HostBuffer:
         float64, complex64 or complex128 (native byte order).
 
     Returns:
-      A ``HostBuffer`` of ``prod(shape) * dtype.itemsize`` bytes; its contents
-      are unspecified until written (large buffers are not zeroed eagerly).
+      A ``HostBuffer`` of ``prod(shape) * dtype.itemsize`` bytes. Its contents
+      are undefined until written, as ``np.empty``'s are (never zeroed: the
+      loader overwrites them). From 4 MiB on it starts on a 2 MiB boundary
+      and asks the kernel for transparent huge pages (``MADV_HUGEPAGE``), as
+      numpy does for large arrays: filling 512 MiB ran 4x slower without.
 
     Raises:
       TypeError: unsupported dtype, or a shape that is not integers.
-      ValueError: a negative dimension.
+      ValueError: a negative dimension, or more elements than an int64 counts.
       MemoryError: the allocation failed.
 
     Note:
