@@ -7,7 +7,7 @@
 
 use crate::locks::{lock, wait_once};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::Instant;
 
@@ -46,6 +46,8 @@ struct Guarded<T, E> {
 
 struct Shared<T, E> {
     phase: AtomicU8,
+    /// Set by the first wait that found the future pending (see `mark_wanted`).
+    wanted: AtomicBool,
     outcome: OnceLock<Outcome<T, E>>,
     guarded: Mutex<Guarded<T, E>>,
     cond: Condvar,
@@ -87,6 +89,7 @@ impl<T, E> Future<T, E> {
         Future {
             shared: Arc::new(Shared {
                 phase: AtomicU8::new(PENDING),
+                wanted: AtomicBool::new(false),
                 outcome: OnceLock::new(),
                 guarded: Mutex::new(Guarded {
                     callbacks: Vec::new(),
@@ -108,6 +111,17 @@ impl<T, E> Future<T, E> {
     /// True when no other strong handle to this future exists right now.
     pub fn is_sole_handle(&self) -> bool {
         Arc::strong_count(&self.shared) == 1
+    }
+
+    /// A number that names this future while it lives (its shared state's address).
+    pub fn id(&self) -> usize {
+        Arc::as_ptr(&self.shared) as usize
+    }
+
+    /// True the first time it is called while the future has not started:
+    /// the caller then asks the pool to run its job next, once.
+    pub fn mark_wanted(&self) -> bool {
+        self.status() == Status::Pending && !self.shared.wanted.swap(true, Ordering::AcqRel)
     }
 
     /// True when both handles name the same future.

@@ -26,6 +26,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hostbuffer::HostBuffer>()?;
     m.add_function(wrap_pyfunction!(task::submit, m)?)?;
     m.add_function(wrap_pyfunction!(task::submit_many, m)?)?;
+    m.add_function(wrap_pyfunction!(task::submit_urgent, m)?)?;
     m.add_function(wrap_pyfunction!(task::_submit_rust_panic, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::wait_all, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::wait_all_or_failure, m)?)?;

@@ -27,7 +27,15 @@ pub trait Job: Send + 'static {
     fn abandon_handle(&self) -> Option<Arc<dyn Abandon>> {
         None
     }
+    /// What [`Pool::run_next`] finds this job by (its future's id); 0 for none.
+    fn key(&self) -> usize {
+        0
+    }
 }
+
+/// Threads the pool may start beyond `max_workers` for urgent jobs (an
+/// `aa.jit` compile, a task some thread waits on) when every worker is busy.
+pub const URGENT_LANE: usize = 4;
 
 /// Fails the future of a job whose thread no longer exists. The pool drops
 /// these under its lock, so they must not own anything whose drop runs
@@ -53,7 +61,11 @@ pub enum SubmitError {
 }
 
 struct State {
+    /// Jobs in the order workers take them: submission order, except that
+    /// urgent ones go to the front.
     queue: VecDeque<Box<dyn Job>>,
+    /// Urgent jobs for the threads of the urgent lane (every worker was busy).
+    lane: VecDeque<Box<dyn Job>>,
     max_workers: usize,
     threads: usize,
     /// Workers waiting for work that no submitter has claimed yet.
@@ -64,6 +76,9 @@ struct State {
     wakeups: usize,
     /// Workers inside `blocking`.
     blocked: usize,
+    /// Threads of the urgent lane: beyond `max_workers`, each runs jobs of
+    /// `lane` only and ends when none is left (never sleeps, not in `threads`).
+    urgent_threads: usize,
     /// Workers between taking a job and finishing it (a batch counts once).
     running_jobs: usize,
     /// Threads in `wait_for_running_jobs`.
@@ -82,6 +97,23 @@ impl State {
     /// Workers that count against `max_workers`: neither blocked nor retired.
     fn busy_capacity_used(&self) -> usize {
         self.threads - self.blocked
+    }
+
+    /// The next job for a worker.
+    fn pop(&mut self) -> Option<Box<dyn Job>> {
+        self.queue.pop_front()
+    }
+
+    /// Every queued job (the lane's first); both queues are left empty.
+    fn take_queue(&mut self) -> VecDeque<Box<dyn Job>> {
+        let mut all = std::mem::take(&mut self.lane);
+        all.append(&mut self.queue);
+        all
+    }
+
+    /// True when this worker is one too many.
+    fn over_size(&self) -> bool {
+        self.busy_capacity_used() > self.max_workers
     }
 }
 
@@ -111,6 +143,8 @@ pub struct PoolStats {
     pub blocked: usize,
     pub queued: usize,
     pub spawned_total: usize,
+    /// Threads of the urgent lane now (not in `threads`).
+    pub urgent_lane: usize,
 }
 
 #[derive(Clone)]
@@ -156,11 +190,13 @@ impl Pool {
             inner: Arc::new(Inner {
                 state: Mutex::new(State {
                     queue: VecDeque::new(),
+                    lane: VecDeque::new(),
                     max_workers: max_workers.max(1),
                     threads: 0,
                     sleeping: 0,
                     wakeups: 0,
                     blocked: 0,
+                    urgent_threads: 0,
                     running_jobs: 0,
                     idle_waiters: 0,
                     shutdown: false,
@@ -219,10 +255,10 @@ impl Pool {
     pub fn try_pop(&self) -> Option<Box<dyn Job>> {
         let slot = self.my_slot()?;
         let mut st = lock(&self.inner.state);
-        if st.shutdown || st.busy_capacity_used() > st.max_workers {
+        if st.shutdown || st.over_size() {
             return None;
         }
-        let job = st.queue.pop_front()?;
+        let job = st.pop()?;
         st.running[slot] = job.abandon_handle();
         Some(job)
     }
@@ -239,6 +275,58 @@ impl Pool {
         }
     }
 
+    /// True when no worker is free to take a job now.
+    fn all_busy(st: &State) -> bool {
+        st.sleeping == 0 && st.busy_capacity_used() >= st.max_workers
+    }
+
+    /// Runs `job` on a thread of the urgent lane, started for it (up to
+    /// [`URGENT_LANE`] beyond `max_workers`); with the lane full, or when no
+    /// thread can start, it goes to the front of the queue instead.
+    fn to_lane(&self, st: &mut State, job: Box<dyn Job>) {
+        if st.urgent_threads >= URGENT_LANE {
+            st.queue.push_front(job);
+            return;
+        }
+        st.lane.push_back(job);
+        if !self.start_thread(st, true) {
+            let job = st.lane.pop_back().expect("pushed above");
+            st.queue.push_front(job);
+        }
+    }
+
+    /// Queues `job` ahead of every job that is not urgent; a worker takes it
+    /// at once, on a thread beyond `max_workers` if all are busy (see
+    /// [`URGENT_LANE`]). For work a consumer waits on: a compile, not a load.
+    pub fn submit_urgent(&self, job: Box<dyn Job>) -> Result<(), SubmitError> {
+        let mut st = lock(&self.inner.state);
+        if st.shutdown {
+            drop(st);
+            job.cancel();
+            return Err(SubmitError::ShutDown);
+        }
+        if Self::all_busy(&st) {
+            self.to_lane(&mut st, job);
+        } else {
+            st.queue.push_front(job);
+            self.wake_or_spawn(&mut st);
+        }
+        refuse(st);
+        Ok(())
+    }
+
+    /// Moves the queued job with `key` to the front: a thread that waits on a
+    /// task must not wait behind every task queued before it. The next free
+    /// worker takes it (its submission already woke or started one if any
+    /// was free). A no-op when no queued job has that key (it runs already).
+    pub fn run_next(&self, key: usize) {
+        let mut st = lock(&self.inner.state);
+        if let Some(at) = st.queue.iter().position(|job| job.key() == key) {
+            let job = st.queue.remove(at).expect("found above");
+            st.queue.push_front(job);
+        }
+    }
+
     /// Like `wake_or_spawn`, but only for queued work no worker is on its way to.
     fn wake_for_unclaimed_work(&self, st: &mut State) {
         if st.queue.len() > st.wakeups {
@@ -247,6 +335,12 @@ impl Pool {
     }
 
     fn spawn(&self, st: &mut State) {
+        let _ = self.start_thread(st, false);
+    }
+
+    /// Starts a worker, or with `urgent_lane` a thread of the urgent lane;
+    /// false when the thread could not start.
+    fn start_thread(&self, st: &mut State, urgent_lane: bool) -> bool {
         let slot = st.free_slots.pop().unwrap_or_else(|| {
             st.running.push(None);
             st.running.len() - 1
@@ -254,11 +348,27 @@ impl Pool {
         let pool = self.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("{}-{}", self.inner.name, slot))
-            .spawn(move || pool.worker(slot));
+            .spawn(move || {
+                if urgent_lane {
+                    pool.urgent_lane(slot)
+                } else {
+                    pool.worker(slot)
+                }
+            });
         match spawned {
+            Ok(_) if urgent_lane => {
+                st.urgent_threads += 1;
+                st.spawned_total += 1;
+                true
+            }
             Ok(_) => {
                 st.threads += 1;
                 st.spawned_total += 1;
+                true
+            }
+            Err(_) if urgent_lane => {
+                st.free_slots.push(slot);
+                false
             }
             Err(error) => {
                 st.free_slots.push(slot);
@@ -271,11 +381,41 @@ impl Pool {
                         error: error.to_string(),
                         threads: st.threads,
                     };
-                    let queued = std::mem::take(&mut st.queue);
+                    let queued = st.take_queue();
                     st.refused
                         .extend(queued.into_iter().map(|job| (job, why.clone())));
                 }
+                false
             }
+        }
+    }
+
+    /// A thread of the urgent lane: runs the lane's jobs while there are any,
+    /// then ends. Not a worker for `try_pop` and `blocking` (so it never takes a
+    /// load, and a wait in it starts no stand-in): its jobs are compiles,
+    /// dispatches and tasks someone waits on.
+    fn urgent_lane(&self, slot: usize) {
+        if let Some(start) = self.inner.hooks.start {
+            start();
+        }
+        let mut st = lock(&self.inner.state);
+        while let Some(job) = st.lane.pop_front() {
+            st.running[slot] = job.abandon_handle();
+            st.running_jobs += 1;
+            drop(st);
+            job.run();
+            st = lock(&self.inner.state);
+            st.running[slot] = None;
+            st.running_jobs -= 1;
+            if st.running_jobs == 0 && st.idle_waiters > 0 {
+                self.inner.idle.notify_all();
+            }
+        }
+        st.urgent_threads -= 1;
+        st.free_slots.push(slot);
+        drop(st);
+        if let Some(stop) = self.inner.hooks.stop {
+            stop();
         }
     }
 
@@ -287,7 +427,7 @@ impl Pool {
         let mut st = lock(&self.inner.state);
         loop {
             // Retire first: a worker back from `blocking` may leave the pool over size.
-            if st.shutdown || st.busy_capacity_used() > st.max_workers {
+            if st.shutdown || st.over_size() {
                 st.threads -= 1;
                 st.free_slots.push(slot);
                 if !st.shutdown {
@@ -300,7 +440,7 @@ impl Pool {
                 }
                 return;
             }
-            if let Some(job) = st.queue.pop_front() {
+            if let Some(job) = st.pop() {
                 st.running[slot] = job.abandon_handle();
                 st.running_jobs += 1;
                 drop(st);
@@ -377,8 +517,9 @@ impl Pool {
             threads: st.threads,
             idle: st.sleeping,
             blocked: st.blocked,
-            queued: st.queue.len(),
+            queued: st.queue.len() + st.lane.len(),
             spawned_total: st.spawned_total,
+            urgent_lane: st.urgent_threads,
         }
     }
 
@@ -390,7 +531,7 @@ impl Pool {
             st.shutdown = true;
             st.sleeping = 0;
             self.inner.work.notify_all();
-            std::mem::take(&mut st.queue)
+            st.take_queue()
         };
         for job in queued {
             job.cancel();
@@ -438,6 +579,7 @@ impl Pool {
         // A worker that forks (a task calling os.fork) lives on in the child.
         let me = self.my_slot();
         st.threads = usize::from(me.is_some());
+        st.urgent_threads = 0;
         st.running_jobs = usize::from(me.is_some());
         st.idle_waiters = 0;
         st.sleeping = 0;
@@ -454,7 +596,7 @@ impl Pool {
             .filter(|&(s, _)| Some(s) != me)
             .filter_map(|(_, job)| job.take())
             .collect();
-        let queued = std::mem::take(&mut st.queue);
+        let queued = st.take_queue();
         st.refused
             .extend(queued.into_iter().map(|job| (job, Refusal::QueuedAtFork)));
         refuse(st);
@@ -534,6 +676,9 @@ mod tests {
         }
         fn refuse(self: Box<Self>, why: Refusal) {
             self.future.complete(Outcome::Error(format!("{why:?}")));
+        }
+        fn key(&self) -> usize {
+            self.future.id()
         }
     }
 
@@ -739,6 +884,67 @@ mod tests {
         drop(held);
         assert!(pool.wait_for_running_jobs(Some(Instant::now() + WAIT)));
         assert_eq!(value(&running), 5);
+    }
+
+    /// A pool of one worker held by a job that waits on `gate`, with
+    /// `queued` more jobs behind it; returns their futures.
+    fn held_pool(gate: &Arc<Mutex<()>>, queued: usize) -> (Pool, F, Vec<F>) {
+        let pool = Pool::new("t", 1);
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let g = Arc::clone(gate);
+        let held = submit(&pool, move || {
+            started_tx.send(()).unwrap();
+            drop(lock(&g));
+            0
+        });
+        started_rx.recv_timeout(WAIT).unwrap();
+        let behind = (0..queued).map(|i| submit(&pool, move || i + 1)).collect();
+        (pool, held, behind)
+    }
+
+    #[test]
+    fn an_urgent_job_runs_while_every_worker_is_busy() {
+        let gate = Arc::new(Mutex::new(()));
+        let closed = lock(&gate);
+        let (pool, held, behind) = held_pool(&gate, 3);
+        let urgent = F::new();
+        pool.submit_urgent(Box::new(Task {
+            f: || 42,
+            future: urgent.clone(),
+        }))
+        .unwrap();
+        assert_eq!(value(&urgent), 42, "ran on a thread beyond max_workers");
+        assert_eq!(pool.stats().queued, 3, "the others still wait");
+        drop(closed);
+        assert_eq!(behind.iter().map(value).collect::<Vec<_>>(), [1, 2, 3]);
+        assert_eq!(value(&held), 0);
+        eventually("the extra thread to retire", || pool.stats().threads <= 1);
+    }
+
+    #[test]
+    fn run_next_takes_a_waited_job_out_of_turn() {
+        let gate = Arc::new(Mutex::new(()));
+        let closed = lock(&gate);
+        let (pool, held, _) = held_pool(&gate, 0);
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let behind: Vec<F> = (0..3)
+            .map(|i| {
+                let order = Arc::clone(&order);
+                submit(&pool, move || {
+                    lock(&order).push(i);
+                    i
+                })
+            })
+            .collect();
+        pool.run_next(behind[2].id());
+        pool.run_next(12345); // no such job: nothing happens
+        drop(closed);
+        assert_eq!(behind.iter().map(value).sum::<usize>() + value(&held), 3);
+        assert_eq!(
+            *lock(&order),
+            [2, 0, 1],
+            "the waited one first, then in order"
+        );
     }
 
     #[test]

@@ -35,6 +35,10 @@ impl PyFuture {
         if self.inner.is_finished() {
             return Ok(true);
         }
+        if timeout != Some(0.0) && self.inner.mark_wanted() {
+            // Someone waits on it: it must not wait behind every task queued first.
+            pool().run_next(self.inner.id());
+        }
         let deadline = deadline_after(timeout)?;
         let f = &self.inner;
         Ok(wait_detached(py, pool(), deadline, |slice| {

@@ -46,7 +46,8 @@ pub fn configure(max_workers: usize) -> PyResult<()> {
     Ok(())
 }
 
-/// The pool's counters: max_workers, threads, idle, blocked, queued, spawned_total.
+/// The pool's counters: max_workers, threads, idle, blocked, queued,
+/// spawned_total, urgent_lane.
 #[pyfunction]
 pub fn pool_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let s = pool().stats();
@@ -57,6 +58,7 @@ pub fn pool_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("blocked", s.blocked)?;
     d.set_item("queued", s.queued)?;
     d.set_item("spawned_total", s.spawned_total)?;
+    d.set_item("urgent_lane", s.urgent_lane)?;
     Ok(d)
 }
 

@@ -132,6 +132,10 @@ impl Job for PyTask {
     fn abandon_handle(&self) -> Option<Arc<dyn Abandon>> {
         Some(Arc::new(AbandonFuture(self.future.downgrade())))
     }
+
+    fn key(&self) -> usize {
+        self.future.id()
+    }
 }
 
 /// Runs `func(*args)` on the pool; returns its `Future` at once.
@@ -141,6 +145,23 @@ pub fn submit(func: Py<PyAny>, args: Py<PyTuple>) -> PyResult<PyFuture> {
     let future = CoreFuture::new();
     pool()
         .submit(Box::new(PyTask {
+            func,
+            args,
+            future: future.clone(),
+        }))
+        .map_err(|_| Error::ShutDown)?;
+    Ok(PyFuture::from(future))
+}
+
+/// Runs `func(*args)` on the pool ahead of every task that is not urgent, on
+/// a thread beyond `max_workers` if all are busy (an `aa.jit` compile or
+/// dispatch must not queue behind loads); returns its `Future` at once.
+#[pyfunction]
+#[pyo3(signature = (func, *args))]
+pub fn submit_urgent(func: Py<PyAny>, args: Py<PyTuple>) -> PyResult<PyFuture> {
+    let future = CoreFuture::new();
+    pool()
+        .submit_urgent(Box::new(PyTask {
             func,
             args,
             future: future.clone(),

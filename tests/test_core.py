@@ -17,6 +17,7 @@ import subprocess
 import threading
 import traceback
 
+import numpy as np
 import pytest
 from conftest import WAIT, Gate, kill_group, poll_until, run_script, spawn, wait_for
 
@@ -725,3 +726,36 @@ def test_watcher_wakes_on_pool_completion(pool_size):
     for i in (2, 0, 1):
         releases[i].set()
         assert watcher.next(WAIT) == i
+
+
+# -- what a consumer waits on runs first ------------------------------------------------
+
+
+def test_a_leaf_waited_on_runs_before_the_tasks_queued_ahead_of_it(pool_size):
+    pool_size(1)
+    slow = [Gate(np.ones(2, np.float32)) for _ in range(3)]
+    loads = [gate.leaf() for gate in slow]
+    wait_for(slow[0].started, "the first load to hold the only worker")
+    quick = aa.async_wrap(lambda: np.full(2, 7, np.float32), shape=(2,), dtype=np.float32)
+    with pytest.raises(TimeoutError):
+        quick.exception(timeout=0.001)  # a wait: the task goes to the front of the queue
+    slow[0].open()
+    # Were it behind the other loads, the only worker would block in the second
+    # one (its gate shut) and this would time out.
+    assert quick.result(timeout=WAIT).tolist() == [7.0, 7.0]
+    assert not loads[1].done()
+    for gate in slow[1:]:
+        gate.open()
+    assert [float(leaf.result(timeout=WAIT)[0]) for leaf in loads] == [1.0] * 3
+
+
+def test_urgent_tasks_run_while_every_worker_is_busy(pool_size):
+    pool_size(1)
+    started, release = threading.Event(), threading.Event()
+    held = _core.submit(lambda: (started.set(), release.wait(WAIT))[1])
+    wait_for(started, "the only worker to be taken")
+    queued = _core.submit(int, "5")
+    assert _core.submit_urgent(pow, 2, 10).result(WAIT) == 1024
+    assert not queued.done()
+    release.set()
+    assert (held.result(WAIT), queued.result(WAIT)) == (True, 5)

@@ -643,3 +643,14 @@ def test_exit_while_compiling_or_running_is_clean(before_exit):
         )
         assert done.stdout == "exiting\n", done.stderr
         assert done.returncode == 3, done.stderr[-2000:]
+
+
+def test_a_compile_and_its_run_never_wait_behind_loads(pool_size):
+    pool_size(1)
+    loads = [Gate(np.ones(2, np.float32)) for _ in range(3)]
+    leaves = [gate.leaf() for gate in loads]
+    wait_for(loads[0].started, "a load to hold the only worker")
+    # Two loads queued behind it; the compile and the dispatch go first.
+    y = aa.jit(lambda v: v * 3)(jnp.arange(4, dtype=jnp.float32))
+    np.testing.assert_array_equal(y.result(timeout=WAIT), [0, 3, 6, 9])
+    assert not any(leaf.done() for leaf in leaves)

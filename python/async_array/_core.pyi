@@ -23,6 +23,7 @@ __all__ = [
     "shutdown",
     "submit",
     "submit_many",
+    "submit_urgent",
     "wait_all",
     "wait_all_or_failure",
     "wait_for_running_tasks",
@@ -100,6 +101,7 @@ class HostBuffer:
 
 def submit(func: Callable[..., Any], *args: Any) -> Future: ...
 def submit_many(func: Callable[..., Any], args_list: list[tuple[Any, ...]]) -> list[Future]: ...
+def submit_urgent(func: Callable[..., Any], *args: Any) -> Future: ...
 def wait_all(futures: list[Future], timeout: float | None = None) -> bool: ...
 def wait_all_or_failure(
     futures: list[Future], timeout: float | None = None

@@ -138,7 +138,7 @@ class _Compile:
         self._waiters: list[Callable[[], None]] | None = []
         jax_work.enter()
         try:
-            self.future = _core.submit(_compile, traced)
+            self.future = _core.submit_urgent(_compile, traced)  # never behind loads
         except BaseException:
             jax_work.leave()
             raise
@@ -268,7 +268,7 @@ def _launch(call: _Call) -> None:
         return
     jax_work.enter()
     try:
-        task = _core.submit(_execute, call)
+        task = _core.submit_urgent(_execute, call)  # its inputs are ready: run now
     except BaseException as exc:  # the pool is shut down
         jax_work.leave()
         call.leaves = None
