@@ -329,16 +329,34 @@ def put_dlpack(buf: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array
     """
     if _dlpack is None or _ArrayImpl is None:
         if committed:
-            return jax.dlpack.from_dlpack(buf, next(iter(sharding.device_set)), copy=False)
+            device = next(iter(sharding.device_set))
+            return jax.dlpack.from_dlpack(_HandOff(buf), device, copy=False)
         # jax.dlpack.from_dlpack commits; device_put without a target does not,
         # and aliases the aligned memory (the buffer refuses writers from now on).
         return _public_put(np.asarray(buf), aval, sharding, committed)
     to_buffer, nargs = _dlpack
     (device,) = sharding.device_set
-    capsule = buf.__dlpack__(stream=None)
+    capsule = buf.jax_capsule()
     args = (capsule, device, None, False, _core.DLPACK_CPU)[:nargs]
     array = to_buffer(*args)
     return _ArrayImpl(aval, sharding, [array], committed=committed, _skip_checks=True)
+
+
+class _HandOff:
+    """A ``HostBuffer`` as ``jax.dlpack.from_dlpack`` reads it for the hand-off:
+    its ``jax_capsule``, which a buffer exported before still gives (JAX never
+    writes), where its ``__dlpack__`` refuses a legacy consumer then."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self, buf: Any) -> None:
+        self._buf = buf
+
+    def __dlpack__(self, **_: Any) -> Any:
+        return self._buf.jax_capsule()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._buf.__dlpack_device__()
 
 
 def put_array(array: jax.Array, aval: Any, sharding: Any, committed: bool) -> jax.Array:
