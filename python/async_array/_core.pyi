@@ -12,12 +12,14 @@ __all__ = [
     "DLPACK_CPU",
     "Future",
     "HostBuffer",
+    "WaitCycleError",
     "Watcher",
     "__version__",
     "_after_fork_child",
     "_submit_rust_panic",
     "configure",
     "default_max_workers",
+    "depends_on",
     "live_host_buffers",
     "pool_stats",
     "shutdown",
@@ -51,6 +53,14 @@ class Future:
     def result(self, timeout: float | None = None) -> Any: ...
     def exception(self, timeout: float | None = None) -> BaseException | None: ...
     def add_done_callback(self, func: Callable[[Future], object]) -> None: ...
+
+class WaitCycleError(RuntimeError):
+    """A pool task's wait that would never end: it waits on itself."""
+
+    # Set by the core: the calls from the waiting task back to it, and the
+    # position (among the futures waited on) of the one that leads back.
+    cycle: tuple[str, ...]
+    index: int
 
 @final
 class Watcher:
@@ -104,6 +114,7 @@ def wait_all(futures: list[Future], timeout: float | None = None) -> bool: ...
 def wait_all_or_failure(
     futures: list[Future], timeout: float | None = None
 ) -> tuple[bool, int | None]: ...
+def depends_on(dependents: list[Future], on: list[Future], label: str | None = None) -> None: ...
 def configure(max_workers: int) -> None: ...
 
 # min(32, cpus + 4), cpus being the CPUs this process may use: its affinity mask and

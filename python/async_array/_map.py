@@ -54,6 +54,10 @@ def _run_leaf(fn: Callable[[Any, Any], Any], path: Any, spec: Any, specs: LeafSp
         return [convert_one(specs, i, value)]
 
 
+# How cycle messages name each task (see _core.WaitCycleError).
+_run_leaf.task_label = lambda fn, path, spec, specs, i: specs.where(i)  # type: ignore[attr-defined]
+
+
 def async_map(fn: Callable[[Any, Any], Any], like: Any, *, sharding: Any = None) -> Any:
     """Runs ``fn(key_path, spec)`` for every leaf of ``like``, one pool task a
     leaf, and returns the tree of ``AsyncArray`` at once.
@@ -150,6 +154,9 @@ def _drive_stream(
             )
 
 
+_drive_stream.task_label = lambda gen_fn, specs, paths, futures: specs.name  # type: ignore[attr-defined]
+
+
 def async_stream(
     gen_fn: Callable[[], Iterable[tuple[Any, Any]]], like: Any, *, sharding: Any = None
 ) -> Any:
@@ -183,6 +190,9 @@ def _async_stream(gen_fn: Callable[[], Iterable[tuple[Any, Any]]], like: Any, sh
     futures = [_core.Future() for _ in paths]
     leaves = _one_source_a_leaf(specs, futures)
     driver = _core.submit(_drive_stream, gen_fn, specs, paths, futures)
+    # Each leaf needs the generator's task: a wait on a leaf from a task that
+    # the generator itself waits for is a cycle.
+    _core.depends_on(futures, [driver])
     # The driver itself only fails on a bug here; then no leaf may hang.
     driver.add_done_callback(lambda d: _fail_all_if_failed(d, futures))
     return specs.treedef.unflatten(leaves)
