@@ -156,7 +156,10 @@ impl Job for PyTask {
             // Taken by the batch below on this thread: already attached.
             return Python::attach(|py| self.call(py));
         }
-        let future = self.future.clone();
+        // Weak: a strong handle here would keep this task's result (its
+        // arrays) alive through the whole batch below, that is, until the
+        // other tasks it runs end, however long they take.
+        let future = self.future.downgrade();
         let attached = Python::try_attach(|py| {
             self.call(py);
             IN_BATCH.with(|b| b.set(true));
@@ -171,7 +174,9 @@ impl Job for PyTask {
         });
         if attached.is_none() {
             // The interpreter is finalizing: no Python can run any more.
-            future.complete(Outcome::Error(TaskError::Core(Error::ShutDown)));
+            if let Some(future) = future.upgrade() {
+                future.complete(Outcome::Error(TaskError::Core(Error::ShutDown)));
+            }
         }
     }
 
