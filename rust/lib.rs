@@ -3,6 +3,7 @@
 
 pub mod attach;
 pub mod buffer;
+pub mod cycle;
 pub mod dlpack;
 pub mod error;
 pub mod future;
@@ -24,11 +25,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pyfuture::PyFuture>()?;
     m.add_class::<pyfuture::Watcher>()?;
     m.add_class::<hostbuffer::HostBuffer>()?;
+    m.add("WaitCycleError", m.py().get_type::<error::WaitCycleError>())?;
     m.add_function(wrap_pyfunction!(task::submit, m)?)?;
     m.add_function(wrap_pyfunction!(task::submit_many, m)?)?;
     m.add_function(wrap_pyfunction!(task::_submit_rust_panic, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::wait_all, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::wait_all_or_failure, m)?)?;
+    m.add_function(wrap_pyfunction!(pyfuture::depends_on, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::configure, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::default_max_workers, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::pool_stats, m)?)?;

@@ -12,12 +12,14 @@ __all__ = [
     "DLPACK_CPU",
     "Future",
     "HostBuffer",
+    "WaitCycleError",
     "Watcher",
     "__version__",
     "_after_fork_child",
     "_submit_rust_panic",
     "configure",
     "default_max_workers",
+    "depends_on",
     "live_host_buffers",
     "pool_stats",
     "shutdown",
@@ -53,6 +55,14 @@ class Future:
     def exception(self, timeout: float | None = None) -> BaseException | None: ...
     def add_done_callback(self, func: Callable[[Future], object]) -> None: ...
 
+class WaitCycleError(RuntimeError):
+    """A pool task's wait that would never end: it waits on itself."""
+
+    # Set by the core: the calls from the waiting task back to it, and the
+    # position (among the futures waited on) of the one that leads back.
+    cycle: tuple[str, ...]
+    index: int
+
 @final
 class Watcher:
     """Indices of futures in the order they finish."""
@@ -82,6 +92,7 @@ class HostBuffer:
     @property
     def exported(self) -> bool: ...
     def mark_exported(self) -> None: ...
+    def jax_capsule(self) -> Any: ...
     def __len__(self) -> int: ...
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]: ...
     def __dlpack__(
@@ -104,6 +115,7 @@ def wait_all(futures: list[Future], timeout: float | None = None) -> bool: ...
 def wait_all_or_failure(
     futures: list[Future], timeout: float | None = None
 ) -> tuple[bool, int | None]: ...
+def depends_on(dependents: list[Future], on: list[Future], label: str | None = None) -> None: ...
 def configure(max_workers: int) -> None: ...
 
 # min(32, cpus + 4), cpus being the CPUs this process may use: its affinity mask and
