@@ -32,7 +32,8 @@ class FaultServer:
     start; ``content_length_delta`` added to the Content-Length; ``slow`` sends
     one byte at a time, waiting on an event the test never sets for up to
     ``slow`` seconds between bytes; ``ignore_range`` answers 200 with the whole
-    file. ``requests`` lists every ``(path, start, end)`` asked for.
+    file; ``gate`` an event each request waits for (``gated`` is set when one
+    does). ``requests`` lists every ``(path, start, end)`` asked for.
     """
 
     def __init__(self, folder, tls_context=None):
@@ -45,6 +46,8 @@ class FaultServer:
         self.slow: float | None = None
         self.ignore_range = False
         self.fault_header = False
+        self.gate: threading.Event | None = None
+        self.gated = threading.Event()
         self.requests: list[tuple[str, int, int]] = []
         self.lock = threading.Lock()
         self.closing = threading.Event()
@@ -92,6 +95,9 @@ class FaultServer:
             self.requests.append((h.path, start, last + 1))
             faulty = start > 0 or self.fault_header
             first = self.status_first.pop(0) if faulty and self.status_first else None
+        if faulty and self.gate is not None:
+            self.gated.set()
+            self.gate.wait(30)
         if first is not None:
             return self.send(h, first, b"oops")
         if faulty and self.status is not None:
@@ -169,6 +175,22 @@ def test_like_over_http_returns_at_once(server, weights):
     np.testing.assert_array_equal(
         np.asarray(tree["small"]["03"].result(timeout=30)), weights["small.03"]
     )
+
+
+def test_reads_wait_without_the_gil(server, weights):
+    """While every read is stuck in the core (the server holds the answers),
+    Python runs: this thread, and pool tasks beside the reads."""
+    server.gate = threading.Event()
+    try:
+        tree = aa.load_safetensors(server.url("model.safetensors"), timeout=30)
+        assert server.gated.wait(30), "no read reached the server"
+        assert not tree["big"].done()
+        other = aa.async_wrap(lambda: np.arange(3), shape=(3,), dtype=np.int32)
+        np.testing.assert_array_equal(np.asarray(other.result(timeout=30)), [0, 1, 2])
+        assert not tree["big"].done()  # still held
+    finally:
+        server.gate.set()
+    check(aa.materialize(tree, timeout=60), weights)
 
 
 def test_5xx_is_retried_then_succeeds(server, weights):
