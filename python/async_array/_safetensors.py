@@ -3,6 +3,7 @@ the GIL, straight into ``HostBuffer``s that JAX takes without a copy."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -33,9 +34,15 @@ _FLOAT8 = {"float8_e4m3fn", "float8_e5m2"}
 _SMALL = 1 << 20
 _GROUP = 4 << 20
 _GAP = 64 << 10
+# From a file, tensors of at most _FILE_SMALL bytes share one pool task (a
+# pread each) up to _FILE_GROUP bytes: the per-task cost, not the reads, is
+# what 10,000 small tensors would pay.
+_FILE_SMALL = 64 << 10
+_FILE_GROUP = 1 << 20
 _MAX_INDEX = 64 << 20
 
 
+@functools.cache
 def _np_dtype(name: str) -> np.dtype:
     """The numpy dtype of a core dtype name (``bfloat16`` and the float8
     kinds from ml_dtypes, as in JAX)."""
@@ -149,7 +156,7 @@ class _Load:
         self.budget = max_bytes_in_flight
         self.progress = progress
         self.lock = threading.Lock()
-        self.queue: list[tuple[_core.SafetensorsFile, list[int], list[int], int]] = []
+        self.queue: list[_Job] = []
         self.next_job = 0
         self.in_flight = 0
         self.done_bytes = 0
@@ -195,16 +202,18 @@ class _Load:
         for header, pairs in jobs.values():
             pairs.sort()
             entries = header.entries
+            small, limit = (_SMALL, _GROUP) if header.file.remote else (_FILE_SMALL, _FILE_GROUP)
+            if self.budget is not None:
+                limit = min(limit, self.budget)
             group: list[tuple[int, int]] = []
             for t, i in pairs:
                 start, end = entries[t][4], entries[t][5]
                 joins = (
-                    header.file.remote
-                    and group
-                    and end - start <= _SMALL
-                    and entries[group[0][0]][5] - entries[group[0][0]][4] <= _SMALL
+                    group
+                    and end - start <= small
+                    and entries[group[0][0]][5] - entries[group[0][0]][4] <= small
                     and start - entries[group[-1][0]][5] <= _GAP
-                    and end - entries[group[0][0]][4] <= _GROUP
+                    and end - entries[group[0][0]][4] <= limit
                 )
                 if group and not joins:
                     queue.append(_job(header, group))
@@ -252,11 +261,17 @@ class _Load:
             _LOG.exception("%s: the progress callback raised", self.specs.name)
 
 
-def _job(header: _Header, group: list[tuple[int, int]]):
-    """A read job: the file, its tensor indices, their leaves, their bytes."""
+# A read job: the file, its tensor indices, their leaves, their bytes, their
+# numpy dtype names (taken from the header once: the core's tensor list is
+# built anew at each access).
+_Job = tuple[_core.SafetensorsFile, list[int], list[int], int, list[str]]
+
+
+def _job(header: _Header, group: list[tuple[int, int]]) -> _Job:
     entries = header.entries
     nbytes = sum(entries[t][5] - entries[t][4] for t, _ in group)
-    return (header.file, [t for t, _ in group], [i for _, i in group], nbytes)
+    names = [entries[t][2] for t, _ in group]
+    return (header.file, [t for t, _ in group], [i for _, i in group], nbytes, names)
 
 
 def _dtype_fits(found: np.dtype, declared: np.dtype) -> bool:
@@ -267,11 +282,11 @@ def _dtype_fits(found: np.dtype, declared: np.dtype) -> bool:
     return jax.dtypes.canonicalize_dtype(found) == declared
 
 
-def _read_job(load: _Load, job: tuple[_core.SafetensorsFile, list[int], list[int], int]) -> None:
+def _read_job(load: _Load, job: _Job) -> None:
     """A pool task: reads one job's tensors (GIL released in the core), hands
     each to JAX, reports progress, then makes the leaves ready (so a leaf is
     never ready before the progress that counts it), then starts more reads."""
-    file, tensors, leaves, nbytes = job
+    file, tensors, leaves, nbytes, np_names = job
     specs, futures = load.specs, load.futures
     ready: list[tuple[int, Any]] = []
     failed: BaseException | None = None
@@ -280,12 +295,11 @@ def _read_job(load: _Load, job: tuple[_core.SafetensorsFile, list[int], list[int
         if wanted and file.remote:
             wanted = list(range(len(leaves)))  # one request for the group anyway
         if wanted:
-            entries = file.tensors
-            dtypes = [_buffer_dtype(entries[tensors[k]][2]) for k in wanted]
+            dtypes = [_buffer_dtype(np_names[k]) for k in wanted]
             buffers = file.read([tensors[k] for k in wanted], dtypes)
             for k, buf in zip(wanted, buffers, strict=True):
                 value: Any = buf
-                np_name = entries[tensors[k]][2]
+                np_name = np_names[k]
                 if np_name in _FLOAT8:  # no DLPack code: one copy, viewed as float8
                     value = np.asarray(buf).view(_np_dtype(np_name))
                 with jax_work:
@@ -306,6 +320,7 @@ def _read_job(load: _Load, job: tuple[_core.SafetensorsFile, list[int], list[int
         load.pump()
 
 
+@functools.cache
 def _buffer_dtype(np_name: str) -> np.dtype:
     return np.dtype(np.uint8) if np_name in _FLOAT8 else _np_dtype(np_name)
 
@@ -405,10 +420,11 @@ def load_safetensors(
     The header is read and validated completely by the Rust core (one read of
     at most 64 KiB per file); then each tensor is read on the pool, without the
     GIL, straight into a 64-byte-aligned ``HostBuffer`` that JAX takes with no
-    copy (DLPack): ``pread`` for a file; for a URL, HTTP range requests on a
+    copy (DLPack): ``pread`` for a file (neighbouring tensors under 64 KiB
+    share one pool task, up to 1 MiB); for a URL, HTTP range requests on a
     small pool of keep-alive connections, neighbouring tensors under 1 MiB in
-    one request (at most 4 MiB, skipping at most 64 KiB between two). Each
-    leaf is ready as soon as its own tensor is.
+    one request (at most 4 MiB, skipping at most 64 KiB between two). A leaf
+    is ready as soon as the read that holds its tensor is.
 
     Args:
       source: a path (``str`` or ``os.PathLike``), a ``file://`` URL or an
