@@ -7,7 +7,8 @@
 //! raised (a task, an import, a signal handler) pass through unchanged.
 
 use pyo3::exceptions::{
-    PyBufferError, PyMemoryError, PyRuntimeError, PyTimeoutError, PyTypeError, PyValueError,
+    PyBufferError, PyFileNotFoundError, PyMemoryError, PyOSError, PyRuntimeError, PyTimeoutError,
+    PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -58,6 +59,16 @@ pub enum Error {
     /// on: `WaitCycleError` (a `RuntimeError`). `labels` run from the waiting
     /// task back to it; `index` is the waited-on future that leads back.
     Cycle { labels: Vec<String>, index: usize },
+    /// A file or URL that is not there (the message names it): `FileNotFoundError`.
+    NotFound(String),
+    /// Reading a file or URL failed (the message says what, where, which
+    /// bytes): `OSError`.
+    Io(String),
+    /// Data that does not follow its format (a malformed safetensors header):
+    /// `ValueError`.
+    Format(String),
+    /// A request ran past its deadline (the message says which): `TimeoutError`.
+    Deadline(String),
 }
 
 static CANCELLED_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
@@ -122,6 +133,10 @@ impl From<Error> for PyErr {
                     Err(e) => e,
                 }
             }),
+            Error::NotFound(msg) => PyFileNotFoundError::new_err(msg),
+            Error::Io(msg) => PyOSError::new_err(msg),
+            Error::Format(msg) => PyValueError::new_err(msg),
+            Error::Deadline(msg) => PyTimeoutError::new_err(msg),
         }
     }
 }
@@ -317,6 +332,38 @@ mod tests {
                 0
             );
         });
+    }
+
+    #[test]
+    fn not_found_is_file_not_found_error_with_its_message() {
+        assert_eq!(
+            raised::<PyFileNotFoundError>(Error::NotFound("f.safetensors: gone".into())),
+            "f.safetensors: gone"
+        );
+    }
+
+    #[test]
+    fn io_is_os_error_with_its_message() {
+        assert_eq!(
+            raised::<PyOSError>(Error::Io("f: bytes [8, 16): EIO".into())),
+            "f: bytes [8, 16): EIO"
+        );
+    }
+
+    #[test]
+    fn format_is_value_error_with_its_message() {
+        assert_eq!(
+            raised::<PyValueError>(Error::Format("f: header is not a JSON object".into())),
+            "f: header is not a JSON object"
+        );
+    }
+
+    #[test]
+    fn deadline_is_timeout_error_with_its_message() {
+        assert_eq!(
+            raised::<PyTimeoutError>(Error::Deadline("u: bytes [0, 8): past 2 s".into())),
+            "u: bytes [0, 8): past 2 s"
+        );
     }
 
     #[test]

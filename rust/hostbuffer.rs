@@ -98,6 +98,63 @@ impl HostBuffer {
     pub fn nbytes(&self) -> usize {
         self.memory.len()
     }
+
+    /// A buffer over `memory` already filled by the core (a tensor read from
+    /// a file or a socket), viewed as `shape` elements of the numpy `dtype`.
+    pub fn from_memory(
+        memory: AlignedBuf,
+        shape: Vec<usize>,
+        dtype: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let dtype = NUMPY_DTYPE
+            .import(dtype.py(), "numpy", "dtype")?
+            .call1((dtype,))?;
+        let element = ElementType::of(&dtype)?;
+        let needed = shape
+            .iter()
+            .try_fold(element.itemsize, |acc, &d| acc.checked_mul(d));
+        if needed != Some(memory.len()) {
+            return Err(Error::InvalidArgument(format!(
+                "HostBuffer: {} bytes cannot hold shape {shape:?} of itemsize {}",
+                memory.len(),
+                element.itemsize
+            ))
+            .into());
+        }
+        Ok(Self::with_memory(memory, shape, dtype.unbind(), element))
+    }
+
+    fn with_memory(
+        memory: AlignedBuf,
+        shape: Vec<usize>,
+        dtype: Py<PyAny>,
+        element: ElementType,
+    ) -> Self {
+        let itemsize = element.itemsize;
+        let nbytes = memory.len();
+        let mut view_strides = vec![0isize; shape.len()];
+        let mut stride = itemsize as isize;
+        for (s, &d) in view_strides.iter_mut().zip(&shape).rev() {
+            *s = stride;
+            stride *= d as isize;
+        }
+        HostBuffer {
+            memory: Arc::new(memory),
+            view_shape: shape.iter().map(|&d| d as isize).collect(),
+            shape,
+            dtype,
+            itemsize,
+            format: element.format,
+            dl_dtype: DLDataType {
+                code: element.code,
+                bits: (itemsize * 8) as u8,
+                lanes: 1,
+            },
+            view_strides,
+            byte_shape: [nbytes as isize],
+            exported: AtomicBool::new(false),
+        }
+    }
 }
 
 #[pymethods]
@@ -130,28 +187,7 @@ impl HostBuffer {
                 ))
             })?;
         let memory = AlignedBuf::uninit(nbytes).ok_or(Error::OutOfMemory(nbytes))?;
-        let mut view_strides = vec![0isize; shape.len()];
-        let mut stride = itemsize as isize;
-        for (s, &d) in view_strides.iter_mut().zip(&shape).rev() {
-            *s = stride;
-            stride *= d as isize;
-        }
-        Ok(HostBuffer {
-            memory: Arc::new(memory),
-            view_shape: shape.iter().map(|&d| d as isize).collect(),
-            shape,
-            dtype: dtype.unbind(),
-            itemsize,
-            format: element.format,
-            dl_dtype: DLDataType {
-                code: element.code,
-                bits: (itemsize * 8) as u8,
-                lanes: 1,
-            },
-            view_strides,
-            byte_shape: [nbytes as isize],
-            exported: AtomicBool::new(false),
-        })
+        Ok(Self::with_memory(memory, shape, dtype.unbind(), element))
     }
 
     /// The shape, in elements.

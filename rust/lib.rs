@@ -8,10 +8,13 @@ pub mod dlpack;
 pub mod error;
 pub mod future;
 pub mod hostbuffer;
+pub mod http;
 pub mod locks;
 pub mod pool;
 pub mod pyfuture;
 pub mod runtime;
+pub mod safetensors;
+pub mod stfile;
 pub mod task;
 pub mod wait;
 
@@ -26,6 +29,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pyfuture::Watcher>()?;
     m.add_class::<hostbuffer::HostBuffer>()?;
     m.add("WaitCycleError", m.py().get_type::<error::WaitCycleError>())?;
+    m.add_class::<stfile::SafetensorsFile>()?;
     m.add_function(wrap_pyfunction!(task::submit, m)?)?;
     m.add_function(wrap_pyfunction!(task::submit_many, m)?)?;
     m.add_function(wrap_pyfunction!(task::_submit_rust_panic, m)?)?;
@@ -39,5 +43,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runtime::wait_for_running_tasks, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::_after_fork_child, m)?)?;
     m.add_function(wrap_pyfunction!(hostbuffer::live_host_buffers, m)?)?;
+    m.add_function(wrap_pyfunction!(stfile::read_url_prefix, m)?)?;
     Ok(())
 }

@@ -12,6 +12,7 @@ __all__ = [
     "DLPACK_CPU",
     "Future",
     "HostBuffer",
+    "SafetensorsFile",
     "WaitCycleError",
     "Watcher",
     "__version__",
@@ -22,6 +23,7 @@ __all__ = [
     "depends_on",
     "live_host_buffers",
     "pool_stats",
+    "read_url_prefix",
     "shutdown",
     "submit",
     "submit_many",
@@ -109,6 +111,26 @@ class HostBuffer:
         def __buffer__(self, flags: int, /) -> memoryview: ...
         def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
+@final
+class SafetensorsFile:
+    """A safetensors file opened by the core, its header validated."""
+
+    def __new__(
+        cls, source: str, *, timeout: float | None = None, retries: int = 3
+    ) -> SafetensorsFile: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def remote(self) -> bool: ...
+    @property
+    def tensors(self) -> list[tuple[str, str, str, tuple[int, ...], int, int]]: ...
+    def read(self, indices: list[int], dtypes: list[DTypeLike]) -> list[HostBuffer]: ...
+
+def read_url_prefix(
+    url: str, max_bytes: int, *, timeout: float | None = None, retries: int = 3
+) -> tuple[bytes, int]: ...
 def submit(func: Callable[..., Any], *args: Any) -> Future: ...
 def submit_many(func: Callable[..., Any], args_list: list[tuple[Any, ...]]) -> list[Future]: ...
 def wait_all(futures: list[Future], timeout: float | None = None) -> bool: ...
