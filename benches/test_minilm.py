@@ -2,7 +2,7 @@
 and 20 ms a request, loaded while the encoder compiles.
 
 The two ways of ``examples/minilm/embed.py``, round after round: the async one
-(``aa.async_map`` loader, compile from the header's shapes meanwhile) and the
+(``aa.load_safetensors``, compile from the header's shapes meanwhile) and the
 sequential twin (download everything, then compile, then run). Each round
 clears JAX's caches first, so both compile from scratch. The timelines go to
 ``extra_info``: ``run_s`` (first execution once compiled) comes from the

@@ -56,7 +56,10 @@ mod unwinding_ffi {
 /// unwind. A function declared `extern "C"`, as pyo3-ffi declares
 /// `PyObject_Call` (and as pyo3's `call1` reaches it), is assumed not to: the
 /// unwind aborts the process at that call, before the guard. Hence the
-/// `C-unwind` declaration here.
+/// `C-unwind` declaration here. Worker code calls Python through this
+/// function only: a `call1` next to it brings pyo3-ffi's `extern "C"`
+/// declaration of the same symbol into the same code, and the call here then
+/// lost its unwind entry too (seen as an abort at interpreter exit).
 pub fn call_or_park<'py>(
     func: &Bound<'py, PyAny>,
     args: &Bound<'py, PyTuple>,

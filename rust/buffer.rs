@@ -88,6 +88,19 @@ impl AlignedBuf {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// A new allocation holding a copy of these bytes; `None` when the
+    /// allocator refuses.
+    pub fn try_clone(&self) -> Option<Self> {
+        let copy = AlignedBuf::uninit(self.len)?;
+        if self.len != 0 {
+            // SAFETY: both allocations are `len` bytes long and distinct. The
+            // source may be written meanwhile through a Python view (as numpy's
+            // own copy may be); the bytes are plain data, any value is valid.
+            unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), copy.as_ptr(), self.len) };
+        }
+        Some(copy)
+    }
 }
 
 impl Drop for AlignedBuf {
@@ -137,6 +150,25 @@ mod tests {
         handles.into_iter().for_each(|h| h.join().unwrap());
         assert_eq!(Arc::strong_count(&shared), 1);
         drop(shared);
+    }
+
+    #[test]
+    fn try_clone_copies_into_new_aligned_memory() {
+        for n in [0usize, 1, 100, 1 << 16] {
+            let original = AlignedBuf::uninit(n).unwrap();
+            for i in 0..n {
+                unsafe { *original.as_ptr().add(i) = (i % 251) as u8 };
+            }
+            let copy = original.try_clone().unwrap();
+            assert_eq!(copy.len(), n);
+            assert_eq!(copy.as_ptr() as usize % ALIGN, 0);
+            if n > 0 {
+                assert_ne!(copy.as_ptr(), original.as_ptr());
+            }
+            for i in 0..n {
+                assert_eq!(unsafe { *copy.as_ptr().add(i) }, (i % 251) as u8);
+            }
+        }
     }
 
     #[test]

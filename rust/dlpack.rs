@@ -16,6 +16,12 @@ use std::sync::Arc;
 /// `kDLCPU`: the DLPack device type of host memory.
 pub const KDL_CPU: i32 = 1;
 
+/// `DLPACK_FLAG_BITMASK_READ_ONLY` (DLPack >= 1.0): the consumer must not write.
+pub const FLAG_READ_ONLY: u64 = 1 << 0;
+/// `DLPACK_FLAG_BITMASK_IS_COPIED` (DLPack >= 1.0): the memory is a copy that
+/// the consumer alone owns.
+pub const FLAG_IS_COPIED: u64 = 1 << 1;
+
 /// DLPack type codes (`DLDataTypeCode`).
 pub mod code {
     pub const INT: u8 = 0;
@@ -125,11 +131,18 @@ pub struct Export<'a> {
     pub memory: &'a Arc<AlignedBuf>,
     pub shape: &'a [usize],
     pub dtype: DLDataType,
+    /// `DLManagedTensorVersioned` (DLPack >= 1.0) rather than the legacy layout.
     pub versioned: bool,
+    /// `FLAG_*` bits; only the versioned layout can carry them.
+    pub flags: u64,
 }
 
 /// Wraps `export` in a DLPack capsule that keeps its memory alive.
 pub fn export<'py>(py: Python<'py>, export: Export<'_>) -> PyResult<Bound<'py, PyAny>> {
+    debug_assert!(
+        export.versioned || export.flags == 0,
+        "the legacy layout has no flags"
+    );
     let mut owner = Owner {
         _memory: Arc::clone(export.memory),
         shape: export.shape.iter().map(|&d| d as i64).collect(),
@@ -153,8 +166,7 @@ pub fn export<'py>(py: Python<'py>, export: Export<'_>) -> PyResult<Bound<'py, P
                 version: DLPackVersion { major: 1, minor: 1 },
                 manager_ctx: std::ptr::null_mut(),
                 deleter: Some(delete_versioned),
-                // Not read-only: the consumer (JAX) takes the memory over.
-                flags: 0,
+                flags: export.flags,
                 dl_tensor: tensor,
             },
             owner,

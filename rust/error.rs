@@ -7,11 +7,22 @@
 //! raised (a task, an import, a signal handler) pass through unchanged.
 
 use pyo3::exceptions::{
-    PyBufferError, PyMemoryError, PyRuntimeError, PyTimeoutError, PyTypeError, PyValueError,
+    PyBufferError, PyFileNotFoundError, PyMemoryError, PyOSError, PyRuntimeError, PyTimeoutError,
+    PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyTraceback, PyType};
+use pyo3::types::{PyTraceback, PyTuple, PyType};
+
+pyo3::create_exception!(
+    async_array._core,
+    WaitCycleError,
+    PyRuntimeError,
+    "A wait that would never end: the waiting task waits, directly or through \
+     other tasks, on itself. `cycle` names the calls from the waiting task back \
+     to it; `index` is the position, among the futures waited on, of the one \
+     that leads back."
+);
 
 /// Everything the core itself can fail with. Exceptions raised by Python code
 /// that a task ran travel as [`TaskError::Python`] and are re-raised unchanged.
@@ -44,6 +55,20 @@ pub enum Error {
     Buffer(String),
     /// An allocation of this many bytes of host memory failed: `MemoryError`.
     OutOfMemory(usize),
+    /// A pool task started a wait that can only end once the task itself goes
+    /// on: `WaitCycleError` (a `RuntimeError`). `labels` run from the waiting
+    /// task back to it; `index` is the waited-on future that leads back.
+    Cycle { labels: Vec<String>, index: usize },
+    /// A file or URL that is not there (the message names it): `FileNotFoundError`.
+    NotFound(String),
+    /// Reading a file or URL failed (the message says what, where, which
+    /// bytes): `OSError`.
+    Io(String),
+    /// Data that does not follow its format (a malformed safetensors header):
+    /// `ValueError`.
+    Format(String),
+    /// A request ran past its deadline (the message says which): `TimeoutError`.
+    Deadline(String),
 }
 
 static CANCELLED_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
@@ -91,6 +116,27 @@ impl From<Error> for PyErr {
                 "async_array: could not allocate {bytes} bytes of {}-byte-aligned host memory",
                 crate::buffer::ALIGN
             )),
+            Error::Cycle { labels, index } => Python::attach(|py| {
+                let me = labels.first().map_or("a task", String::as_str);
+                let target = labels.get(1).map_or(me, String::as_str);
+                let err = WaitCycleError::new_err(format!(
+                    "{me}: waiting on {target} would never end: it waits on this task \
+                     (cycle: {})",
+                    labels.join(" -> ")
+                ));
+                let value = err.value(py);
+                let set = PyTuple::new(py, &labels)
+                    .and_then(|cycle| value.setattr("cycle", cycle))
+                    .and_then(|()| value.setattr("index", index));
+                match set {
+                    Ok(()) => err,
+                    Err(e) => e,
+                }
+            }),
+            Error::NotFound(msg) => PyFileNotFoundError::new_err(msg),
+            Error::Io(msg) => PyOSError::new_err(msg),
+            Error::Format(msg) => PyValueError::new_err(msg),
+            Error::Deadline(msg) => PyTimeoutError::new_err(msg),
         }
     }
 }
@@ -255,6 +301,68 @@ mod tests {
                 "async_array: could not allocate {} bytes of 64-byte-aligned host memory",
                 1u64 << 50
             )
+        );
+    }
+
+    #[test]
+    fn cycle_is_wait_cycle_error_a_runtime_error_naming_the_cycle() {
+        let labels = vec!["async_wrap(f)".to_owned(), "async_wrap(g)".to_owned()];
+        let mut cycle = labels.clone();
+        cycle.push(labels[0].clone());
+        assert_eq!(
+            raised::<WaitCycleError>(Error::Cycle {
+                labels: cycle,
+                index: 2
+            }),
+            "async_wrap(f): waiting on async_wrap(g) would never end: it waits on this task \
+             (cycle: async_wrap(f) -> async_wrap(g) -> async_wrap(f))"
+        );
+        Python::attach(|py| {
+            let e: PyErr = Error::Cycle {
+                labels: vec!["f".into(), "f".into()],
+                index: 0,
+            }
+            .into();
+            assert!(e.is_instance_of::<PyRuntimeError>(py));
+            let value = e.value(py);
+            let cycle: Vec<String> = value.getattr("cycle").unwrap().extract().unwrap();
+            assert_eq!(cycle, ["f", "f"]);
+            assert_eq!(
+                value.getattr("index").unwrap().extract::<usize>().unwrap(),
+                0
+            );
+        });
+    }
+
+    #[test]
+    fn not_found_is_file_not_found_error_with_its_message() {
+        assert_eq!(
+            raised::<PyFileNotFoundError>(Error::NotFound("f.safetensors: gone".into())),
+            "f.safetensors: gone"
+        );
+    }
+
+    #[test]
+    fn io_is_os_error_with_its_message() {
+        assert_eq!(
+            raised::<PyOSError>(Error::Io("f: bytes [8, 16): EIO".into())),
+            "f: bytes [8, 16): EIO"
+        );
+    }
+
+    #[test]
+    fn format_is_value_error_with_its_message() {
+        assert_eq!(
+            raised::<PyValueError>(Error::Format("f: header is not a JSON object".into())),
+            "f: header is not a JSON object"
+        );
+    }
+
+    #[test]
+    fn deadline_is_timeout_error_with_its_message() {
+        assert_eq!(
+            raised::<PyTimeoutError>(Error::Deadline("u: bytes [0, 8): past 2 s".into())),
+            "u: bytes [0, 8): past 2 s"
         );
     }
 

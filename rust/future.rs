@@ -5,6 +5,7 @@
 //! takes no lock; the mutex only guards the callback list and pairs with the
 //! condition variable that waiters sleep on (std's, for `fork`: see `locks`).
 
+use crate::cycle::BlockedOn;
 use crate::locks::{lock, wait_once};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -42,6 +43,8 @@ struct Guarded<T, E> {
     /// Threads sleeping on `cond`: std's `notify_all` is a system call even
     /// with nobody to wake, so finishing a future nobody waits on skips it.
     waiters: usize,
+    /// What must finish before this future can (see `cycle`), when known.
+    blocked_on: Option<Box<BlockedOn<T, E>>>,
 }
 
 struct Shared<T, E> {
@@ -61,6 +64,14 @@ pub struct Future<T, E> {
 /// A handle that does not keep the future (or its value) alive.
 pub struct WeakFuture<T, E> {
     shared: Weak<Shared<T, E>>,
+}
+
+impl<T, E> Clone for WeakFuture<T, E> {
+    fn clone(&self) -> Self {
+        WeakFuture {
+            shared: Weak::clone(&self.shared),
+        }
+    }
 }
 
 impl<T, E> WeakFuture<T, E> {
@@ -94,6 +105,7 @@ impl<T, E> Future<T, E> {
                 guarded: Mutex::new(Guarded {
                     callbacks: Vec::new(),
                     waiters: 0,
+                    blocked_on: None,
                 }),
                 cond: Condvar::new(),
             }),
@@ -127,6 +139,24 @@ impl<T, E> Future<T, E> {
     /// True when both handles name the same future.
     pub fn same_as(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
+    /// An identity for the future, the same for every handle while it lives.
+    pub fn id(&self) -> usize {
+        Arc::as_ptr(&self.shared) as *const () as usize
+    }
+
+    /// Records what must finish before this future can (`None`: nothing
+    /// known), for the cycle check of waits; returns what was recorded before.
+    pub fn set_blocked_on(&self, blocked_on: Option<BlockedOn<T, E>>) -> Option<BlockedOn<T, E>> {
+        let new = blocked_on.map(Box::new);
+        let old = std::mem::replace(&mut lock(&self.shared.guarded).blocked_on, new);
+        old.map(|b| *b)
+    }
+
+    /// A copy of what [`Self::set_blocked_on`] recorded last.
+    pub fn blocked_on(&self) -> Option<BlockedOn<T, E>> {
+        lock(&self.shared.guarded).blocked_on.as_deref().cloned()
     }
 
     /// The outcome, once finished; never blocks.

@@ -98,6 +98,63 @@ impl HostBuffer {
     pub fn nbytes(&self) -> usize {
         self.memory.len()
     }
+
+    /// A buffer over `memory` already filled by the core (a tensor read from
+    /// a file or a socket), viewed as `shape` elements of the numpy `dtype`.
+    pub fn from_memory(
+        memory: AlignedBuf,
+        shape: Vec<usize>,
+        dtype: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let dtype = NUMPY_DTYPE
+            .import(dtype.py(), "numpy", "dtype")?
+            .call1((dtype,))?;
+        let element = ElementType::of(&dtype)?;
+        let needed = shape
+            .iter()
+            .try_fold(element.itemsize, |acc, &d| acc.checked_mul(d));
+        if needed != Some(memory.len()) {
+            return Err(Error::InvalidArgument(format!(
+                "HostBuffer: {} bytes cannot hold shape {shape:?} of itemsize {}",
+                memory.len(),
+                element.itemsize
+            ))
+            .into());
+        }
+        Ok(Self::with_memory(memory, shape, dtype.unbind(), element))
+    }
+
+    fn with_memory(
+        memory: AlignedBuf,
+        shape: Vec<usize>,
+        dtype: Py<PyAny>,
+        element: ElementType,
+    ) -> Self {
+        let itemsize = element.itemsize;
+        let nbytes = memory.len();
+        let mut view_strides = vec![0isize; shape.len()];
+        let mut stride = itemsize as isize;
+        for (s, &d) in view_strides.iter_mut().zip(&shape).rev() {
+            *s = stride;
+            stride *= d as isize;
+        }
+        HostBuffer {
+            memory: Arc::new(memory),
+            view_shape: shape.iter().map(|&d| d as isize).collect(),
+            shape,
+            dtype,
+            itemsize,
+            format: element.format,
+            dl_dtype: DLDataType {
+                code: element.code,
+                bits: (itemsize * 8) as u8,
+                lanes: 1,
+            },
+            view_strides,
+            byte_shape: [nbytes as isize],
+            exported: AtomicBool::new(false),
+        }
+    }
 }
 
 #[pymethods]
@@ -130,28 +187,7 @@ impl HostBuffer {
                 ))
             })?;
         let memory = AlignedBuf::uninit(nbytes).ok_or(Error::OutOfMemory(nbytes))?;
-        let mut view_strides = vec![0isize; shape.len()];
-        let mut stride = itemsize as isize;
-        for (s, &d) in view_strides.iter_mut().zip(&shape).rev() {
-            *s = stride;
-            stride *= d as isize;
-        }
-        Ok(HostBuffer {
-            memory: Arc::new(memory),
-            view_shape: shape.iter().map(|&d| d as isize).collect(),
-            shape,
-            dtype: dtype.unbind(),
-            itemsize,
-            format: element.format,
-            dl_dtype: DLDataType {
-                code: element.code,
-                bits: (itemsize * 8) as u8,
-                lanes: 1,
-            },
-            view_strides,
-            byte_shape: [nbytes as isize],
-            exported: AtomicBool::new(false),
-        })
+        Ok(Self::with_memory(memory, shape, dtype.unbind(), element))
     }
 
     /// The shape, in elements.
@@ -225,8 +261,20 @@ impl HostBuffer {
         ))
     }
 
-    /// DLPack export (the array API's `__dlpack__`). Only CPU, no copy; marks the
-    /// buffer exported, since the consumer now reads this memory directly.
+    /// DLPack export (the array API's `__dlpack__`), CPU only.
+    ///
+    /// - `copy=True`: a copy of the bytes in new memory that the consumer alone
+    ///   owns, writable (flagged `IS_COPIED` in the versioned layout); this
+    ///   buffer is left as it was.
+    /// - otherwise (zero-copy): the first export hands the memory over (the
+    ///   buffer is marked exported, as when a loader returns it). Once
+    ///   exported, the memory belongs to a `jax.Array` and is read-only: a
+    ///   consumer that asks with `max_version >= (1, 0)` gets the versioned
+    ///   capsule flagged `READ_ONLY` (numpy >= 2.1 then makes a read-only
+    ///   array); a legacy consumer, which cannot be told, gets a `BufferError`.
+    ///
+    /// The versioned layout (`dltensor_versioned`) is used whenever the
+    /// consumer passes `max_version >= (1, 0)`.
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__<'py>(
         slf: &Bound<'py, Self>,
@@ -251,21 +299,65 @@ impl HostBuffer {
                 .into());
             }
         }
+        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
         if copy == Some(true) {
+            let memory = this
+                .memory
+                .try_clone()
+                .ok_or(Error::OutOfMemory(this.nbytes()))?;
+            return dlpack::export(
+                slf.py(),
+                dlpack::Export {
+                    memory: &Arc::new(memory),
+                    shape: &this.shape,
+                    dtype: this.dl_dtype,
+                    versioned,
+                    flags: if versioned { dlpack::FLAG_IS_COPIED } else { 0 },
+                },
+            );
+        }
+        // One thread wins the hand-over; every later export is read-only.
+        let was_exported = this.exported.swap(true, Ordering::AcqRel);
+        if was_exported && !versioned {
             return Err(Error::Buffer(
-                "HostBuffer.__dlpack__: copy=True is not offered; copy with np.array(buf) instead"
+                "HostBuffer.__dlpack__: the buffer was handed to JAX and is read-only, and a \
+                 consumer that passes no max_version (DLPack < 1.0) cannot be told so. Ask \
+                 with max_version=(1, 0) for a read-only export (np.from_dlpack does from \
+                 numpy 2.1), with copy=True for a writable copy, or use np.asarray(buf) \
+                 (a read-only view) or the jax.Array itself"
                     .into(),
             )
             .into());
         }
-        this.mark_exported();
         dlpack::export(
             slf.py(),
             dlpack::Export {
                 memory: &this.memory,
                 shape: &this.shape,
                 dtype: this.dl_dtype,
-                versioned: max_version.is_some_and(|(major, _)| major >= 1),
+                versioned,
+                flags: if was_exported {
+                    dlpack::FLAG_READ_ONLY
+                } else {
+                    0
+                },
+            },
+        )
+    }
+
+    /// The zero-copy hand-off to JAX: a legacy DLPack capsule of the memory
+    /// (the layout every JAX reads), whether or not the buffer was exported
+    /// before (JAX never writes an array's memory). Marks the buffer exported.
+    fn jax_capsule<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.mark_exported();
+        dlpack::export(
+            py,
+            dlpack::Export {
+                memory: &self.memory,
+                shape: &self.shape,
+                dtype: self.dl_dtype,
+                versioned: false,
+                flags: 0,
             },
         )
     }

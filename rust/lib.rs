@@ -3,14 +3,18 @@
 
 pub mod attach;
 pub mod buffer;
+pub mod cycle;
 pub mod dlpack;
 pub mod error;
 pub mod future;
 pub mod hostbuffer;
+pub mod http;
 pub mod locks;
 pub mod pool;
 pub mod pyfuture;
 pub mod runtime;
+pub mod safetensors;
+pub mod stfile;
 pub mod task;
 pub mod wait;
 
@@ -24,12 +28,15 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pyfuture::PyFuture>()?;
     m.add_class::<pyfuture::Watcher>()?;
     m.add_class::<hostbuffer::HostBuffer>()?;
+    m.add("WaitCycleError", m.py().get_type::<error::WaitCycleError>())?;
+    m.add_class::<stfile::SafetensorsFile>()?;
     m.add_function(wrap_pyfunction!(task::submit, m)?)?;
     m.add_function(wrap_pyfunction!(task::submit_many, m)?)?;
     m.add_function(wrap_pyfunction!(task::submit_urgent, m)?)?;
     m.add_function(wrap_pyfunction!(task::_submit_rust_panic, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::wait_all, m)?)?;
     m.add_function(wrap_pyfunction!(pyfuture::wait_all_or_failure, m)?)?;
+    m.add_function(wrap_pyfunction!(pyfuture::depends_on, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::configure, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::default_max_workers, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::pool_stats, m)?)?;
@@ -37,5 +44,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runtime::wait_for_running_tasks, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::_after_fork_child, m)?)?;
     m.add_function(wrap_pyfunction!(hostbuffer::live_host_buffers, m)?)?;
+    m.add_function(wrap_pyfunction!(stfile::read_url_prefix, m)?)?;
     Ok(())
 }

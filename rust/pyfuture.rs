@@ -3,19 +3,64 @@
 //! [`wait_detached`], so none holds the GIL and Ctrl-C interrupts each.
 
 use crate::attach::{call_or_park, park_on_thread_exit};
+use crate::cycle::{find_cycle, BlockedOn};
 use crate::error::{Error, TaskError};
-use crate::future::{self, CompletionQueue, Outcome, Status};
+use crate::future::{self, CompletionQueue, Outcome, Status, WeakFuture};
 use crate::runtime::pool;
+use crate::task;
 use crate::wait::{deadline_after, wait_detached};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTraceback, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// The core future behind every Python `Future`: a task's return value, or
 /// why it failed.
 pub type CoreFuture = future::Future<Py<PyAny>, TaskError>;
+
+/// A wait of the pool task running on this thread, recorded on the task's
+/// future for other tasks' cycle checks while it lasts.
+struct WaitRecord(CoreFuture);
+
+impl Drop for WaitRecord {
+    fn drop(&mut self) {
+        self.0.set_blocked_on(None);
+    }
+}
+
+/// Before a wait on `on` (all of them, or any one when `any`) that may block:
+/// on a pool worker running a task, records the wait and fails with
+/// [`Error::Cycle`] when it could never end. Elsewhere (the main thread, any
+/// thread that runs no task) it costs one thread-local read. A poll
+/// (`timeout <= 0`) cannot hang and is not checked.
+fn check_wait(
+    py: Python<'_>,
+    on: &[CoreFuture],
+    any: bool,
+    timeout: Option<f64>,
+) -> Result<Option<WaitRecord>, Error> {
+    if timeout.is_some_and(|t| t <= 0.0) {
+        return Ok(None);
+    }
+    let Some((me, label)) = task::running(py) else {
+        return Ok(None);
+    };
+    me.set_blocked_on(Some(BlockedOn {
+        label: Some(label),
+        any,
+        on: on.iter().map(CoreFuture::downgrade).collect(),
+    }));
+    let record = WaitRecord(me);
+    match find_cycle(&record.0) {
+        None => Ok(Some(record)),
+        Some(cycle) => Err(Error::Cycle {
+            labels: cycle.labels.iter().map(|l| l.to_string()).collect(),
+            index: cycle.index,
+        }),
+    }
+}
 
 /// A handle to one task's result, shaped like `concurrent.futures.Future`.
 /// Every wait releases the GIL and checks for signals every 50 ms.
@@ -40,6 +85,7 @@ impl PyFuture {
             pool().run_next(self.inner.id());
         }
         let deadline = deadline_after(timeout)?;
+        let _record = check_wait(py, std::slice::from_ref(&self.inner), false, timeout)?;
         let f = &self.inner;
         Ok(wait_detached(py, pool(), deadline, |slice| {
             f.wait_until(slice).then_some(())
@@ -254,6 +300,7 @@ pub fn wait_all(
         Some(i) => i,
     };
     let deadline = deadline_after(timeout)?;
+    let _record = check_wait(py, &futures, false, timeout)?;
     let done = wait_detached(py, pool(), deadline, |slice| {
         match future::wait_all(&futures, next, slice) {
             Ok(()) => Some(()),
@@ -288,6 +335,7 @@ pub fn wait_all_or_failure(
         return Ok((true, None));
     }
     let deadline = deadline_after(timeout)?;
+    let _record = check_wait(py, &futures, false, timeout)?;
     let pending: Vec<usize> = (0..futures.len())
         .filter(|&i| !futures[i].is_finished())
         .collect();
@@ -320,26 +368,81 @@ fn failed(future: &CoreFuture) -> bool {
 #[pyclass(frozen, module = "async_array._core")]
 pub struct Watcher {
     queue: Arc<CompletionQueue>,
+    /// The futures watched (weak: a watcher keeps no value alive) and which
+    /// of them `next` has returned, for the cycle check of its waits.
+    futures: Vec<WeakFuture<Py<PyAny>, TaskError>>,
+    returned: Vec<AtomicBool>,
 }
 
 #[pymethods]
 impl Watcher {
     #[new]
     fn new(futures: Vec<PyRef<'_, PyFuture>>) -> Self {
+        let futures = core_futures(&futures);
         Watcher {
-            queue: CompletionQueue::watch(&core_futures(&futures)),
+            queue: CompletionQueue::watch(&futures),
+            returned: futures.iter().map(|_| AtomicBool::new(false)).collect(),
+            futures: futures.iter().map(CoreFuture::downgrade).collect(),
         }
     }
 
     /// The index of the next future to finish, waiting up to `timeout`
-    /// seconds (None: forever; 0: do not wait). None on timeout.
+    /// seconds (None: forever; 0: do not wait). None on timeout. On a pool
+    /// task, raises `WaitCycleError` when every future not yet returned waits
+    /// on that task (its `index` is the watched future's index).
     #[pyo3(signature = (timeout=None))]
     fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<usize>> {
         if let Some(i) = self.queue.try_pop() {
-            return Ok(Some(i));
+            return Ok(Some(self.returning(i)));
         }
         let deadline = deadline_after(timeout)?;
+        let (indices, left): (Vec<usize>, Vec<CoreFuture>) = if task::running(py).is_some() {
+            (0..self.futures.len())
+                .filter(|&i| !self.returned[i].load(Ordering::Acquire))
+                .filter_map(|i| self.futures[i].upgrade().map(|f| (i, f)))
+                .unzip()
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let _record = check_wait(py, &left, true, timeout).map_err(|e| match e {
+            Error::Cycle { labels, index } => Error::Cycle {
+                labels,
+                index: indices[index],
+            },
+            other => other,
+        })?;
         let q = &self.queue;
-        wait_detached(py, pool(), deadline, |slice| q.pop_until(slice))
+        let next = wait_detached(py, pool(), deadline, |slice| q.pop_until(slice))?;
+        Ok(next.map(|i| self.returning(i)))
+    }
+}
+
+impl Watcher {
+    fn returning(&self, index: usize) -> usize {
+        self.returned[index].store(true, Ordering::Release);
+        index
+    }
+}
+
+/// Records that each of `dependents` finishes only once all of `on` have (and
+/// names them `label` in cycle messages): for futures that a task completes
+/// on behalf of others, such as `aa.jit`'s outputs (they need their inputs)
+/// and `async_stream`'s leaves (they need the generator's task), so that a
+/// wait on one of them that leads back to the waiting task is found.
+#[pyfunction]
+#[pyo3(signature = (dependents, on, label=None))]
+pub fn depends_on(
+    dependents: Vec<PyRef<'_, PyFuture>>,
+    on: Vec<PyRef<'_, PyFuture>>,
+    label: Option<String>,
+) {
+    let label: Option<Arc<str>> = label.map(Arc::from);
+    let on: Vec<_> = on.iter().map(|f| f.inner.downgrade()).collect();
+    for dependent in dependents {
+        dependent.inner.set_blocked_on(Some(BlockedOn {
+            label: label.clone(),
+            any: false,
+            on: on.clone(),
+        }));
     }
 }

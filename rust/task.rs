@@ -11,7 +11,7 @@ use crate::pyfuture::{CoreFuture, PyFuture};
 use crate::runtime::pool;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,6 +27,58 @@ impl Abandon for AbandonFuture {
             future.complete(Outcome::Error(TaskError::Core(Error::Abandoned)));
         }
     }
+}
+
+/// The task a worker thread runs now: its future and its call, which names it
+/// in cycle messages (worked out at its first wait, then kept). It lives on
+/// the stack of [`PyTask::call`] while the call runs.
+struct Running<'a> {
+    future: &'a CoreFuture,
+    func: &'a Py<PyAny>,
+    args: &'a Py<PyTuple>,
+    label: RefCell<Option<Arc<str>>>,
+}
+
+thread_local! {
+    /// The [`Running`] of this thread's task, or null: a pointer to the
+    /// task's own frame, so that a task pays no reference counting for it.
+    static RUNNING: Cell<*const Running<'static>> = const { Cell::new(std::ptr::null()) };
+}
+
+/// The future and label of the task this thread runs now; `None` on any thread
+/// that runs no task (the main thread, a callback after its task finished).
+///
+/// The label is `func.task_label(*args)` when the task's function has that
+/// attribute (how `async_wrap`'s and its kin's runners name their call), else
+/// the function's `__qualname__`.
+pub fn running(py: Python<'_>) -> Option<(CoreFuture, Arc<str>)> {
+    let ptr = RUNNING.with(Cell::get);
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: a non-null pointer is set only by `PyTask::call`, to a `Running`
+    // on its own stack, and reset to null before that frame ends (a forced
+    // unwind at exit parks the thread for good, so the frame never ends then).
+    // Only this thread reads it.
+    let run = unsafe { &*ptr };
+    if let Some(label) = run.label.borrow().as_ref() {
+        return Some((run.future.clone(), Arc::clone(label)));
+    }
+    let func = run.func.bind(py);
+    // Through `call_or_park`, never pyo3's `call1`: that reaches `PyObject_Call`
+    // through pyo3-ffi's `extern "C"` declaration, and with two declarations of
+    // one symbol in this code, the task's own call lost its unwind entry (the
+    // forced unwind at interpreter exit then aborted the process).
+    let named = match func.getattr("task_label") {
+        Ok(namer) => call_or_park(&namer, run.args.bind(py), None).and_then(|l| l.str()),
+        Err(_) => func.getattr("__qualname__").and_then(|l| l.str()),
+    };
+    let label: Arc<str> = match named {
+        Ok(text) => Arc::from(text.to_string_lossy().as_ref()),
+        Err(_) => Arc::from("a task"),
+    };
+    *run.label.borrow_mut() = Some(Arc::clone(&label));
+    Some((run.future.clone(), label))
 }
 
 /// A Python call to run on the pool.
@@ -73,7 +125,18 @@ impl PyTask {
         }
         let f = future.clone();
         fail_on_panic(&future, move || {
+            let running = Running {
+                future: &f,
+                func: &func,
+                args: &args,
+                label: RefCell::new(None),
+            };
+            RUNNING.with(|r| r.set((&raw const running).cast()));
             let returned = call_or_park(func.bind(py), args.bind(py), None);
+            // The task's own waits are over: a callback that its completion
+            // runs on this thread waits for itself, not for this task.
+            RUNNING.with(|r| r.set(std::ptr::null()));
+            drop(running);
             let outcome = match returned {
                 Ok(v) => Outcome::Value(v.unbind()),
                 Err(e) => Outcome::Error(TaskError::from_pyerr(py, e)),
@@ -83,6 +146,7 @@ impl PyTask {
             park_on_thread_exit(|| drop((func, args)));
             f.complete(outcome);
         });
+        RUNNING.with(|r| r.set(std::ptr::null())); // also after a Rust panic
     }
 }
 

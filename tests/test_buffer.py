@@ -277,6 +277,133 @@ def test_after_export_bfloat16_views_are_read_only(live):
     np.testing.assert_array_equal(view.astype(np.float32), [1, 2, 3])
 
 
+def dlpack_flags(capsule) -> int:
+    """The ``flags`` of the ``DLManagedTensorVersioned`` in an unconsumed
+    ``dltensor_versioned`` capsule (after version, manager_ctx and deleter)."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    get.restype = ctypes.c_void_p
+    address = get(capsule, b"dltensor_versioned")
+    return ctypes.c_uint64.from_address(address + 8 + 2 * ctypes.sizeof(ctypes.c_void_p)).value
+
+
+READ_ONLY, IS_COPIED = 1, 2  # DLPACK_FLAG_BITMASK_READ_ONLY, _IS_COPIED
+
+
+def handed_off(shape=(4, 4), dtype=np.float32):
+    """A HostBuffer that a loader returned (JAX holds its memory now), and the leaf's value."""
+    kept = []
+
+    def load():
+        buf = aa.empty(shape, dtype)
+        np.asarray(buf)[...] = pattern(shape, dtype)
+        kept.append(buf)
+        return buf
+
+    x = aa.async_wrap(load, shape=shape, dtype=dtype).result(WAIT)
+    assert x.unsafe_buffer_pointer() == kept[0].address
+    return kept[0], x
+
+
+def test_np_from_dlpack_after_hand_off_is_a_read_only_view(live):
+    buf, x = handed_off()
+    view = np.from_dlpack(buf)
+    assert view.ctypes.data == buf.address, "zero-copy: a view, not a copy"
+    assert not view.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        view[0, 0] = 99.0
+    np.testing.assert_array_equal(view, pattern((4, 4), np.float32))
+    np.testing.assert_array_equal(np.asarray(x), pattern((4, 4), np.float32))
+
+
+def test_np_from_dlpack_after_jax_from_dlpack_is_read_only(live):
+    buf = aa.empty((5,), np.int32)
+    np.asarray(buf)[...] = np.arange(5)
+    x = jax.dlpack.from_dlpack(buf, copy=False)
+    view = np.from_dlpack(buf)
+    assert not view.flags.writeable and view.ctypes.data == x.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(view, np.arange(5))
+
+
+def test_versioned_export_after_hand_off_carries_the_read_only_flag(live):
+    buf, _ = handed_off()
+    for version in [(1, 0), (1, 1), (2, 0)]:
+        capsule = buf.__dlpack__(max_version=version)
+        assert 'capsule object "dltensor_versioned"' in repr(capsule)
+        assert dlpack_flags(capsule) == READ_ONLY
+    # Before the hand-off, the first export hands the memory over: not read-only.
+    fresh = aa.empty((3,), np.float32)
+    assert dlpack_flags(fresh.__dlpack__(max_version=(1, 0))) == 0
+    assert fresh.exported
+    assert dlpack_flags(fresh.__dlpack__(max_version=(1, 0))) == READ_ONLY
+
+
+def test_legacy_export_after_hand_off_is_refused_with_what_to_do(live):
+    buf, x = handed_off()
+    for kwargs in [{}, {"max_version": (0, 8)}, {"copy": False}, {"stream": None}]:
+        with pytest.raises(BufferError, match=r"read-only.*max_version=\(1, 0\).*copy=True"):
+            buf.__dlpack__(**kwargs)
+    if jax_passes_max_version():  # JAX 0.12: a read-only export, which JAX never writes
+        again = jax.dlpack.from_dlpack(buf)
+        assert again.unsafe_buffer_pointer() == buf.address
+    else:  # JAX 0.10: a legacy consumer
+        with pytest.raises(BufferError, match="handed to JAX"):
+            jax.dlpack.from_dlpack(buf)
+    np.testing.assert_array_equal(np.asarray(x), pattern((4, 4), np.float32))
+
+
+def jax_passes_max_version() -> bool:
+    """Whether ``jax.dlpack.from_dlpack`` asks producers for DLPack >= 1.0."""
+    asked = {}
+
+    class Probe:
+        def __dlpack_device__(self):
+            return (1, 0)
+
+        def __dlpack__(self, **kwargs):
+            asked.update(kwargs)
+            raise BufferError("probe")
+
+    with pytest.raises(BufferError, match="probe"):
+        jax.dlpack.from_dlpack(Probe())
+    return asked.get("max_version", (0, 0)) >= (1, 0)
+
+
+@pytest.mark.parametrize("exported", [False, True], ids=["fresh", "handed-off"])
+def test_dlpack_copy_true_is_a_writable_copy_the_consumer_owns(exported, live):
+    if exported:
+        buf, x = handed_off((3, 2), np.int16)
+    else:
+        buf = aa.empty((3, 2), np.int16)
+        np.asarray(buf)[...] = pattern((3, 2), np.int16)
+    copied = np.from_dlpack(buf, copy=True)
+    assert copied.ctypes.data != buf.address
+    assert copied.flags.writeable
+    np.testing.assert_array_equal(copied, pattern((3, 2), np.int16))
+    copied[...] = -1
+    np.testing.assert_array_equal(np.asarray(buf), pattern((3, 2), np.int16))
+    assert buf.exported is exported, "a copy hands nothing over"
+    assert dlpack_flags(buf.__dlpack__(max_version=(1, 0), copy=True)) == IS_COPIED
+    legacy = buf.__dlpack__(copy=True)  # a legacy consumer may ask for a copy too
+    assert 'capsule object "dltensor"' in repr(legacy)
+    if exported:
+        np.testing.assert_array_equal(np.asarray(x), pattern((3, 2), np.int16))
+    del copied, legacy
+
+
+def test_a_buffer_returned_for_two_leaves_is_handed_to_jax_twice_without_a_copy(live):
+    def load():
+        buf = aa.empty((6,), np.float32)
+        np.asarray(buf)[...] = np.arange(6)
+        return {"a": buf, "b": buf}
+
+    like = {"a": jax.ShapeDtypeStruct((6,), np.float32)}
+    like["b"] = like["a"]
+    tree = aa.materialize(aa.async_wrap(load, like=like), timeout=WAIT)
+    assert tree["a"].unsafe_buffer_pointer() == tree["b"].unsafe_buffer_pointer()
+    np.testing.assert_array_equal(np.asarray(tree["b"]), np.arange(6))
+
+
 def test_array_protocol_copy_contract(live):
     buf = aa.empty((3,), jnp.bfloat16)  # served by __array__, not the buffer protocol
     np.asarray(buf)[...] = [1.5, 2.5, -3]
@@ -608,7 +735,6 @@ def test_host_buffer_constructor_checks_its_arguments(live):
     [
         ({"dl_device": (2, 0)}, r"memory is on the CPU.*dl_device=\(2, 0\)"),
         ({"dl_device": (1, 1)}, r"dl_device=\(1, 1\)"),
-        ({"copy": True}, "copy=True is not offered"),
         ({"stream": 1}, "host memory takes no stream"),
     ],
     ids=str,

@@ -9,6 +9,7 @@ subprocess running a small script.
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import logging
 import os
 import queue
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import threading
 import traceback
+import weakref
 
 import numpy as np
 import pytest
@@ -476,6 +478,32 @@ for t in churners:
     t.join()
 print("parent ok", flush=True)
 """
+
+
+def test_a_worker_running_more_tasks_keeps_no_earlier_result_alive(pool_size):
+    # One worker: when `first` ends, the worker goes on, in the same hold of
+    # the GIL, to the queued `second`, which blocks until the test opens it.
+    # The first result must be freed as soon as nobody holds it, not when
+    # that batch ends.
+    pool_size(1)
+    first, second = Gate(), Gate()
+
+    class Result:
+        pass
+
+    value = Result()
+    first.value = value
+    fut_first = _core.submit(first)
+    fut_second = _core.submit(second)
+    first.open()
+    wait_for(second.started, "the second task to start on the same worker")
+    assert fut_first.result(WAIT) is value
+    alive = weakref.ref(value)
+    del value, fut_first
+    first.value = None
+    poll_until(lambda: gc.collect() >= 0 and alive() is None, "the first result to be freed")
+    second.open()
+    assert fut_second.result(WAIT) is None
 
 
 def test_results_dropped_at_once_never_deadlock_the_pool():

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import SingleDeviceSharding as SingleDevice
 
 import async_array as aa
 from async_array import _core, _jax_hooks
@@ -98,6 +99,93 @@ def test_vmap_grad_eval_shape_device_put_and_jnp():
     np.testing.assert_array_equal(jnp.stack([x, x]).shape, (2, 4))
     np.testing.assert_array_equal(jnp.asarray(x), [0, 1, 2, 3])
     np.testing.assert_array_equal(jnp.where(x > 1, x, 0), [0, 0, 2, 3])
+
+
+@pytest.mark.needs_jax_hooks
+def test_device_put_of_a_leaf_commits_as_for_a_jax_array():
+    dev = jax.devices()
+    values = np.arange(4, dtype=F32)
+    committed = aa.async_wrap(lambda: values, shape=(4,), dtype=F32, sharding=SingleDevice(dev[1]))
+    uncommitted = aa.async_wrap(lambda: values, shape=(4,), dtype=F32)
+    twins = {"committed": jax.device_put(values, dev[1]), "uncommitted": jnp.asarray(values)}
+    for name, leaf in {"committed": committed, "uncommitted": uncommitted}.items():
+        twin = twins[name]
+        for target in [None, dev[2], SingleDevice(dev[3])]:
+            placed, expected = jax.device_put(leaf, target), jax.device_put(twin, target)
+            assert (placed.committed, placed.devices()) == (expected.committed, expected.devices())
+            np.testing.assert_array_equal(placed, values)
+    put = jax.device_put(committed)
+    assert put.committed and put.devices() == {dev[1]}
+    assert put is committed.result(), "no copy, as for a committed jax.Array"
+    tree = jax.device_put({"a": committed, "b": uncommitted, "c": values})
+    assert tree["a"].committed and tree["a"].devices() == {dev[1]}
+    assert not tree["b"].committed and not tree["c"].committed
+
+
+@pytest.mark.needs_jax_hooks
+def test_device_put_of_pending_leaves_waits_once_and_raises_their_failure(monkeypatch):
+    waits = []
+    real_wait_all = _core.wait_all_or_failure
+
+    def counting_wait_all(futures, timeout=None):
+        waits.append(len(futures))
+        release.set()
+        return real_wait_all(futures, timeout)
+
+    monkeypatch.setattr(_core, "wait_all_or_failure", counting_wait_all)
+    release, x = gated(
+        np.ones(2, F32), shape=(2,), dtype=F32, sharding=SingleDevice(jax.devices()[2])
+    )
+    y = aa.async_map(lambda path, spec: (release.wait(30), np.zeros(2, F32))[1], {"y": x})
+    out = jax.device_put({"x": x, "y": y})
+    assert waits == [2] and out["x"].devices() == {jax.devices()[2]}
+    np.testing.assert_array_equal(out["y"]["y"], [0, 0])
+
+    def broken():
+        raise OSError("404 on the weights")
+
+    failed = aa.async_wrap(broken, shape=(2,), dtype=F32)
+    with pytest.raises(OSError, match="404 on the weights"):
+        jax.device_put(failed)
+
+
+@pytest.mark.needs_jax_hooks
+def test_make_array_from_single_device_arrays_takes_leaves_as_shards():
+    devices = jax.devices()[:2]
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    sharding = NamedSharding(mesh, PartitionSpec("x"))
+    gates = [threading.Event() for _ in devices]
+
+    def shard(i):
+        def load():
+            assert gates[i].wait(30)
+            return np.full((2, 3), i, F32)
+
+        return aa.async_wrap(load, shape=(2, 3), dtype=F32, sharding=SingleDevice(devices[i]))
+
+    leaves = [shard(i) for i in range(len(devices))]
+    for gate in gates:
+        gate.set()  # the shards may still be loading when the call starts: it waits
+    made = jax.make_array_from_single_device_arrays((4, 3), sharding, leaves)
+    twin = jax.make_array_from_single_device_arrays((4, 3), sharding, [x.result() for x in leaves])
+    assert made.sharding == twin.sharding and made.committed
+    np.testing.assert_array_equal(made, twin)
+    np.testing.assert_array_equal(made, np.repeat([0, 1], 6).reshape(4, 3))
+    # Leaves and jax.Arrays mixed, and the dtype keyword, as JAX takes them.
+    mixed = jax.make_array_from_single_device_arrays(
+        (4, 3), sharding, arrays=(leaves[0], twin.addressable_shards[1].data), dtype=F32
+    )
+    np.testing.assert_array_equal(mixed, twin)
+    assert (
+        jax.make_array_from_single_device_arrays.__name__ == "make_array_from_single_device_arrays"
+    )
+
+    def broken():
+        raise OSError("shard 1 is gone")
+
+    bad = aa.async_wrap(broken, shape=(2, 3), dtype=F32, sharding=SingleDevice(devices[1]))
+    with pytest.raises(OSError, match="shard 1 is gone"):
+        jax.make_array_from_single_device_arrays((4, 3), sharding, [leaves[0], bad])
 
 
 @pytest.mark.needs_jax_hooks

@@ -4,9 +4,11 @@ Serves ``model.safetensors`` from a local server that behaves like a network
 (``--bandwidth`` MB/s shared by all requests, ``--latency`` ms a request), then
 computes the embeddings twice, in one process:
 
-* async_array: read the header (shapes and dtypes), start one request a tensor
-  with ``aa.async_map``, compile the encoder from the shapes while the weights
-  arrive, and run it once they have;
+* async_array: ``aa.load_safetensors`` reads the header (shapes and dtypes) and
+  returns the weights as ``AsyncArray`` leaves while the Rust core fetches them
+  (range requests, without the GIL, straight into the memory JAX then uses);
+  the encoder compiles from the shapes while the weights arrive and runs once
+  they have;
 * sequential: download every weight, then ``jax.jit`` (compiled afresh: caches
   cleared) and run.
 
@@ -33,7 +35,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import loader
 import model
 import numpy as np
 from server import WeightServer
@@ -50,17 +51,19 @@ def embed_async(url: str, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, dic
 
     Returns:
       The embeddings (float32, ``(sentences, 384)``) and the timeline in seconds
-      from the start: ``first_byte``, ``load`` (the last tensor arrived),
+      from the start: ``header`` (the header read, the leaves returned),
+      ``load`` (the last tensor arrived),
       ``compile`` (compiled), ``wall`` (embeddings on the host); ``run`` (the
       compiled encoder run again alone, a duration); and ``megabytes`` fetched.
     """
     t0 = time.perf_counter()
-    header = loader.read_header(url)
-    params = loader.load(header)  # returns at once; one pool task a tensor
+    params = model.load(url, timeout=60)  # returns once the header is read
+    t_header = time.perf_counter()
     last_arrival = _arrival_clock(params)
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
 
     specs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
-    compiled = jax.jit(model.embed).trace(header.like, **specs).lower().compile()
+    compiled = jax.jit(model.embed).trace(like, **specs).lower().compile()
     t_compiled = time.perf_counter()
     if not aa.jax_hooks_active():
         # A JAX whose private names moved: the public route waits here instead
@@ -75,12 +78,12 @@ def embed_async(url: str, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, dic
     np.asarray(compiled(ready, **batch))
     run = time.perf_counter() - t_run
     return out, {
-        "first_byte": header.first_byte_s,
+        "header": t_header - t0,
         "load": last_arrival() - t0,
         "compile": t_compiled - t0,  # tracing, lowering and XLA, beside the download
         "run": run,
         "wall": t_end - t0,
-        "megabytes": sum(end - start for start, end in header.ranges.values()) / 1e6,
+        "megabytes": sum(leaf.nbytes for leaf in jax.tree.leaves(ready)) / 1e6,
     }
 
 
@@ -93,21 +96,22 @@ def embed_sequential(url: str, batch: dict[str, np.ndarray]) -> tuple[np.ndarray
 
     Returns:
       The embeddings (float32, ``(sentences, 384)``) and the durations in
-      seconds of ``load``, then ``compile``, then ``run``; ``first_byte`` and
+      seconds of ``load``, then ``compile``, then ``run``; ``header`` and
       ``wall`` from the start.
     """
     jax.clear_caches()  # so the compile is not the async run's, cached
     t0 = time.perf_counter()
-    header = loader.read_header(url)
-    params = aa.materialize(loader.load(header))  # every weight, as jax.Array
+    params = model.load(url, timeout=60)
+    t_header = time.perf_counter()
+    params = aa.materialize(params)  # every weight, as jax.Array
     t_loaded = time.perf_counter()
     specs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
-    compiled = jax.jit(model.embed).trace(header.like, **specs).lower().compile()
+    compiled = jax.jit(model.embed).trace(params, **specs).lower().compile()
     t_compiled = time.perf_counter()
     out = np.asarray(compiled(params, **batch))
     t_end = time.perf_counter()
     return out, {
-        "first_byte": header.first_byte_s,
+        "header": t_header - t0,
         "load": t_loaded - t0,
         "compile": t_compiled - t_loaded,
         "run": t_end - t_compiled,
@@ -198,14 +202,14 @@ def main(argv: list[str] | None = None) -> None:
     fast_limit = max(fast["load"], fast["compile"]) + fast["run"]
     slow_limit = max(slow["load"], slow["compile"]) + slow["run"]
     log(
-        f"  async_array: first byte {fast['first_byte']:.3f}, loaded at {fast['load']:.3f}, "
+        f"  async_array: header read {fast['header']:.3f}, loaded at {fast['load']:.3f}, "
         f"compiled at {fast['compile']:.3f}, run {fast['run']:.3f} (again, alone), "
         f"wall {fast['wall']:.3f}; "
         f"wall / (max(load, compile) + run) = {fast['wall']:.3f} / {fast_limit:.3f} "
         f"= {fast['wall'] / fast_limit:.3f}"
     )
     log(
-        f"  sequential:  first byte {slow['first_byte']:.3f}, load {slow['load']:.3f}, "
+        f"  sequential:  header read {slow['header']:.3f}, load {slow['load']:.3f}, "
         f"then compile {slow['compile']:.3f}, then run {slow['run']:.3f}, wall {slow['wall']:.3f}; "
         f"wall / (max(load, compile) + run) = {slow['wall']:.3f} / {slow_limit:.3f} "
         f"= {slow['wall'] / slow_limit:.3f}"

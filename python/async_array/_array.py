@@ -191,6 +191,11 @@ class AsyncArray(jax.Array):
           TypeError: ``timeout`` is not a number nor None.
           TimeoutError: not ready within ``timeout`` seconds.
           concurrent.futures.CancelledError: the task was cancelled.
+          RuntimeError: (``async_array._core.WaitCycleError``) called inside a
+            pool task (an ``async_wrap`` function, say) whose own work this
+            leaf waits for, directly or through other tasks: the wait would
+            never end. Raised when the wait starts (not for ``timeout=0``),
+            naming the calls in the cycle.
           Exception: whatever the task raised, with a note naming this leaf, or
             the validation error of this leaf (shape, dtype, overflow).
         """
@@ -214,6 +219,8 @@ class AsyncArray(jax.Array):
           TypeError: ``timeout`` is not a number nor None.
           TimeoutError: not done within ``timeout`` seconds.
           concurrent.futures.CancelledError: the task was cancelled.
+          RuntimeError: (``WaitCycleError``) the wait would never end, as in
+            :meth:`result`.
         """
         source = self._source
         if source is None:
@@ -223,7 +230,7 @@ class AsyncArray(jax.Array):
                 timeout, f"AsyncArray.exception ({source.where(self._index)})"
             )
         fut = source.future
-        if not fut.done() and not fut.wait(timeout):
+        if not fut.done() and not source.wait(self._index, timeout):
             raise TimeoutError(f"{source.where(self._index)}: not done after {timeout} s")
         failed = source.error(self._index)
         if failed is None:

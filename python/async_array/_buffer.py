@@ -39,6 +39,9 @@ def empty(shape: int | tuple[int, ...], dtype: Any) -> HostBuffer:
       Ownership: once JAX has the memory (the buffer was returned from a
       loader, or ``__dlpack__`` was called), new writable views are refused;
       views made earlier must not be written, or the ``jax.Array`` changes.
+      DLPack then: ``np.from_dlpack(buf)`` is a read-only view (DLPack >= 1.0
+      read-only flag); a consumer that passes no ``max_version`` gets a
+      ``BufferError``; ``__dlpack__(copy=True)`` is a writable copy, always.
 
     Examples:
       >>> import numpy as np, async_array as aa

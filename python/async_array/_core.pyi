@@ -12,14 +12,18 @@ __all__ = [
     "DLPACK_CPU",
     "Future",
     "HostBuffer",
+    "SafetensorsFile",
+    "WaitCycleError",
     "Watcher",
     "__version__",
     "_after_fork_child",
     "_submit_rust_panic",
     "configure",
     "default_max_workers",
+    "depends_on",
     "live_host_buffers",
     "pool_stats",
+    "read_url_prefix",
     "shutdown",
     "submit",
     "submit_many",
@@ -54,6 +58,14 @@ class Future:
     def exception(self, timeout: float | None = None) -> BaseException | None: ...
     def add_done_callback(self, func: Callable[[Future], object]) -> None: ...
 
+class WaitCycleError(RuntimeError):
+    """A pool task's wait that would never end: it waits on itself."""
+
+    # Set by the core: the calls from the waiting task back to it, and the
+    # position (among the futures waited on) of the one that leads back.
+    cycle: tuple[str, ...]
+    index: int
+
 @final
 class Watcher:
     """Indices of futures in the order they finish."""
@@ -83,6 +95,7 @@ class HostBuffer:
     @property
     def exported(self) -> bool: ...
     def mark_exported(self) -> None: ...
+    def jax_capsule(self) -> Any: ...
     def __len__(self) -> int: ...
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]: ...
     def __dlpack__(
@@ -99,6 +112,26 @@ class HostBuffer:
         def __buffer__(self, flags: int, /) -> memoryview: ...
         def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
+@final
+class SafetensorsFile:
+    """A safetensors file opened by the core, its header validated."""
+
+    def __new__(
+        cls, source: str, *, timeout: float | None = None, retries: int = 3
+    ) -> SafetensorsFile: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def remote(self) -> bool: ...
+    @property
+    def tensors(self) -> list[tuple[str, str, str, tuple[int, ...], int, int]]: ...
+    def read(self, indices: list[int], dtypes: list[DTypeLike]) -> list[HostBuffer]: ...
+
+def read_url_prefix(
+    url: str, max_bytes: int, *, timeout: float | None = None, retries: int = 3
+) -> tuple[bytes, int]: ...
 def submit(func: Callable[..., Any], *args: Any) -> Future: ...
 def submit_many(func: Callable[..., Any], args_list: list[tuple[Any, ...]]) -> list[Future]: ...
 def submit_urgent(func: Callable[..., Any], *args: Any) -> Future: ...
@@ -106,6 +139,7 @@ def wait_all(futures: list[Future], timeout: float | None = None) -> bool: ...
 def wait_all_or_failure(
     futures: list[Future], timeout: float | None = None
 ) -> tuple[bool, int | None]: ...
+def depends_on(dependents: list[Future], on: list[Future], label: str | None = None) -> None: ...
 def configure(max_workers: int) -> None: ...
 
 # min(32, cpus + 4), cpus being the CPUs this process may use: its affinity mask and

@@ -7,6 +7,8 @@ import copy
 import traceback
 from types import TracebackType
 
+from ._core import WaitCycleError
+
 
 class _FramesFreed:
     """``with frames_freed: value = f()``: an exception leaving the block keeps
@@ -73,3 +75,17 @@ def noted(exc: BaseException, note: str) -> BaseException:
     dup = shallow_copy(exc)
     dup.add_note(note)
     return dup
+
+
+def waiting_on(exc: WaitCycleError, what: str) -> WaitCycleError:
+    """The cycle the core found (``exc``), reworded to name the leaf waited on
+    (``what``, e.g. ``async_wrap(g) leaf ['b']``) where the core could name
+    only its task; ``cycle`` and ``index`` are kept."""
+    cycle = tuple(exc.cycle)
+    me = cycle[0] if cycle else "this task"
+    new = WaitCycleError(
+        f"{me}: waiting on {what} would never end: it waits on this task "
+        f"(cycle: {' -> '.join(cycle)})"
+    )
+    new.cycle, new.index = cycle, exc.index
+    return new

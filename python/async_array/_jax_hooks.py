@@ -13,6 +13,12 @@ the same ones JAX makes for its own ``EArray`` (``jax/_src/earray.py``):
   ``AsyncArray`` argument of one call is resolved in one GIL-free wait, then
   handed on as a ``jax.Array``.
 
+Two public entry points take leaves through wrappers put in place of JAX's
+functions: ``jax.device_put`` (JAX's ``dispatch._batched_device_put_impl``,
+which it looks up at each call) and ``jax.make_array_from_single_device_arrays``.
+Each resolves the leaves of one call in one wait and calls JAX's own function
+with their values; any other argument reaches JAX's function untouched.
+
 Also here: the per-leaf hand-off to JAX (``xla_client.batched_device_put``,
 DLPack's ``dlpack_managed_tensor_to_buffer`` and ``ArrayImpl``, about 10x
 cheaper per leaf than ``jax.device_put`` and ``jax.dlpack.from_dlpack``).
@@ -30,8 +36,9 @@ comma-separated list of the names in :data:`HOOKS` turns those off.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import jax
@@ -42,16 +49,27 @@ from . import _core
 ENV_DISABLE = "ASYNC_ARRAY_DISABLE_JAX_HOOKS"
 
 #: Every private name used here: what it is for, and whether ``jax.jit`` on an
-#: ``AsyncArray`` needs it (the others have a public stand-in).
+#: ``AsyncArray`` needs it (the others have a public stand-in, or give up one
+#: convenience: ``jax.device_put`` of a committed leaf then lands uncommitted
+#: on the default device, and ``jax.make_array_from_single_device_arrays``
+#: refuses leaves).
 HOOKS: dict[str, tuple[str, bool]] = {
     "core.pytype_aval_mappings": ("a leaf's aval without waiting", True),
     "dtypes.canonicalize_value_handler": ("leaves pass argument canonicalization", True),
     "pxla.shard_arg_handlers": ("one wait per dispatch", True),
     "pxla.shard_args": ("handing resolved leaves to dispatch", True),
-    "xla_client.batched_device_put": ("the per-leaf host hand-off", False),
-    "dlpack_managed_tensor_to_buffer": ("the zero-copy HostBuffer hand-off", False),
-    "array.ArrayImpl": ("building a jax.Array from a DLPack buffer", False),
-    "pxla.batched_device_put": ("re-labelling a loader's jax.Array", False),
+    "xla_client.batched_device_put": ("speed: the per-leaf host hand-off", False),
+    "dlpack_managed_tensor_to_buffer": ("speed: the zero-copy HostBuffer hand-off", False),
+    "array.ArrayImpl": ("speed: building a jax.Array from a DLPack buffer", False),
+    "pxla.batched_device_put": ("speed: re-labelling a loader's jax.Array", False),
+    "dispatch._batched_device_put_impl": (
+        "jax.device_put of a leaf places its value (a committed leaf stays committed)",
+        False,
+    ),
+    "array.make_array_from_single_device_arrays": (
+        "AsyncArray shards for jax.make_array_from_single_device_arrays",
+        False,
+    ),
 }
 
 #: Why each hook is not in use, by name; empty when all are.
@@ -214,6 +232,33 @@ _pxla_put = _find(
     lambda: _module("interpreters.pxla").batched_device_put,
     lambda f: takes(f, 5),
 )
+
+
+def _device_put_batch() -> Callable[..., Any]:
+    fn = _module("dispatch")._batched_device_put_impl
+    # jax.device_put must look it up on the module at each call, or a wrapper
+    # put there would never be called.
+    if "_batched_device_put_impl" not in _module("api").device_put.__code__.co_names:
+        raise AttributeError("jax.device_put no longer calls dispatch._batched_device_put_impl")
+    return fn
+
+
+_batched_put = _find("dispatch._batched_device_put_impl", _device_put_batch, lambda f: takes(f, 1))
+
+
+def _single_device_arrays() -> Callable[..., Any]:
+    fn = _module("array").make_array_from_single_device_arrays
+    if jax.make_array_from_single_device_arrays is not fn:
+        raise AttributeError(
+            "jax.make_array_from_single_device_arrays is not jax._src.array's (wrapped already?)"
+        )
+    return fn
+
+
+_single_arrays = _find(
+    "array.make_array_from_single_device_arrays", _single_device_arrays, lambda f: takes(f, 3)
+)
+
 #: The hooks ``jax.jit`` needs that are missing, by name.
 MISSING_JIT = [name for name, (_, needed) in HOOKS.items() if needed and name in MISSING]
 
@@ -240,9 +285,12 @@ def hooks_error() -> RuntimeError:
     return RuntimeError(f"jax.jit and jnp cannot take an AsyncArray directly: {ERROR}")
 
 
-def install(array_type: type, resolve_all: Callable[[Sequence[Any]], list[jax.Array]]) -> None:
-    """Registers ``array_type`` with JAX; ``resolve_all(leaves)`` waits once for
-    all of them and returns their ``jax.Array`` values, in order."""
+def install(array_type: type, resolve_all: Callable[..., list[Any]]) -> None:
+    """Registers ``array_type`` with JAX; ``resolve_all(leaves, timeout,
+    caller)`` waits once for all of them and returns their values, in order
+    (``jax.Array`` for each ``array_type`` leaf, the others as they are)."""
+    _wrap_device_put(array_type, resolve_all)
+    _wrap_single_device_arrays(array_type, resolve_all)
     if ERROR is not None:
         return
     shard_args = _shard_args
@@ -253,6 +301,48 @@ def install(array_type: type, resolve_all: Callable[[Sequence[Any]], list[jax.Ar
     _aval_mappings[array_type] = lambda x: x.aval
     _register_canonicalize(array_type)
     _shard_arg_handlers[array_type] = shard_arg
+
+
+def _wrap_device_put(array_type: type, resolve_all: Callable[..., list[Any]]) -> None:
+    """``jax.device_put`` of a leaf places its value, as for that ``jax.Array``.
+
+    JAX tells a committed array by its concrete class (``ArrayImpl``); any
+    other ``jax.Array``, a leaf among them, lands uncommitted on the default
+    device when no device is given, wherever it was committed. The wrapper
+    resolves every leaf of one ``device_put`` in one wait and hands JAX their
+    values; everything else passes through unchanged.
+    """
+    original = _batched_put
+    if original is None:
+        return
+
+    def batched_device_put(*xs: Any, **kwargs: Any) -> Any:
+        if any(type(x) is array_type for x in xs):
+            xs = tuple(resolve_all(xs, None, "jax.device_put"))
+        return original(*xs, **kwargs)
+
+    batched_device_put.__wrapped__ = original  # type: ignore[attr-defined]
+    _module("dispatch")._batched_device_put_impl = batched_device_put
+
+
+def _wrap_single_device_arrays(array_type: type, resolve_all: Callable[..., list[Any]]) -> None:
+    """``jax.make_array_from_single_device_arrays`` takes leaves as shards: it
+    waits for them (one wait for all) and uses their values; JAX checks them
+    as it checks ``jax.Array`` shards. Other arguments pass through unchanged."""
+    original = _single_arrays
+    if original is None:
+        return
+
+    def make_array_from_single_device_arrays(
+        shape: Any, sharding: Any, arrays: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if isinstance(arrays, (list, tuple)) and any(type(a) is array_type for a in arrays):
+            arrays = resolve_all(arrays, None, "jax.make_array_from_single_device_arrays")
+        return original(shape, sharding, arrays, *args, **kwargs)
+
+    functools.update_wrapper(make_array_from_single_device_arrays, original)
+    _module("array").make_array_from_single_device_arrays = make_array_from_single_device_arrays
+    jax.make_array_from_single_device_arrays = make_array_from_single_device_arrays
 
 
 def array_type() -> type:
@@ -329,16 +419,34 @@ def put_dlpack(buf: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array
     """
     if _dlpack is None or _ArrayImpl is None:
         if committed:
-            return jax.dlpack.from_dlpack(buf, next(iter(sharding.device_set)), copy=False)
+            device = next(iter(sharding.device_set))
+            return jax.dlpack.from_dlpack(_HandOff(buf), device, copy=False)
         # jax.dlpack.from_dlpack commits; device_put without a target does not,
         # and aliases the aligned memory (the buffer refuses writers from now on).
         return _public_put(np.asarray(buf), aval, sharding, committed)
     to_buffer, nargs = _dlpack
     (device,) = sharding.device_set
-    capsule = buf.__dlpack__(stream=None)
+    capsule = buf.jax_capsule()
     args = (capsule, device, None, False, _core.DLPACK_CPU)[:nargs]
     array = to_buffer(*args)
     return _ArrayImpl(aval, sharding, [array], committed=committed, _skip_checks=True)
+
+
+class _HandOff:
+    """A ``HostBuffer`` as ``jax.dlpack.from_dlpack`` reads it for the hand-off:
+    its ``jax_capsule``, which a buffer exported before still gives (JAX never
+    writes), where its ``__dlpack__`` refuses a legacy consumer then."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self, buf: Any) -> None:
+        self._buf = buf
+
+    def __dlpack__(self, **_: Any) -> Any:
+        return self._buf.jax_capsule()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._buf.__dlpack_device__()
 
 
 def put_array(array: jax.Array, aval: Any, sharding: Any, committed: bool) -> jax.Array:

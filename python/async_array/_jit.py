@@ -329,6 +329,10 @@ def _execute(call: _Call) -> None:
     out.set_result(call.out_tree.flatten_up_to(result))
 
 
+_execute.task_label = lambda call: call.owner._name  # type: ignore[attr-defined]
+_compile.task_label = lambda traced: "aa.jit compilation"  # type: ignore[attr-defined]
+
+
 def _run(compiled: Any, in_tree: Any, values: list[Any]) -> Any:
     # Its own frame, so that a traceback does not keep the inputs alive.
     dyn_args, dyn_kwargs = in_tree.unflatten(values)
@@ -599,7 +603,13 @@ class JitFunction:
         if not compiling.done():
             subscribes.append(compiling.on_done)
         inputs = [leaf for leaf in call.leaves if type(leaf) is AsyncArray]
-        subscribes += [fut.add_done_callback for fut in pending(map(source_of, inputs)).futures]
+        waits_on = pending(map(source_of, inputs)).futures
+        subscribes += [fut.add_done_callback for fut in waits_on]
+        if waits_on:
+            # The outputs need these inputs: a wait on an output from a task
+            # that an input waits for is a cycle. (Once launched, the run waits
+            # on nothing: every input is done then.)
+            _core.depends_on([call.out], waits_on, self._name)
         if subscribes:
             with _waiting_lock:
                 _waiting.add(call)

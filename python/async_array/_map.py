@@ -68,6 +68,8 @@ def _check_takes_two(fn: Callable[..., Any]) -> None:
         raise TypeError(
             f"async_map: fn must take (key_path, spec), got {qualname(fn)}{signature}"
         ) from None
+# How cycle messages name each task (see _core.WaitCycleError).
+_run_leaf.task_label = lambda fn, path, spec, specs, i: specs.where(i)  # type: ignore[attr-defined]
 
 
 def async_map(fn: Callable[[Any, Any], Any], like: Any, *, sharding: Any = None) -> Any:
@@ -180,6 +182,9 @@ def _drive_stream(
             )
 
 
+_drive_stream.task_label = lambda gen_fn, specs, paths, futures: specs.name  # type: ignore[attr-defined]
+
+
 def async_stream(
     gen_fn: Callable[[], Iterable[tuple[Any, Any]]], like: Any, *, sharding: Any = None
 ) -> Any:
@@ -213,6 +218,9 @@ def _async_stream(gen_fn: Callable[[], Iterable[tuple[Any, Any]]], like: Any, sh
     futures = [_core.Future() for _ in paths]
     leaves = _one_source_a_leaf(specs, futures)
     driver = _core.submit(_drive_stream, gen_fn, specs, paths, futures)
+    # Each leaf needs the generator's task: a wait on a leaf from a task that
+    # the generator itself waits for is a cycle.
+    _core.depends_on(futures, [driver])
     # The driver itself only fails on a bug here; then no leaf may hang.
     driver.add_done_callback(lambda d: _fail_all_if_failed(d, futures))
     return specs.treedef.unflatten(leaves)

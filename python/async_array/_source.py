@@ -13,7 +13,8 @@ from typing import NamedTuple
 import jax
 
 from . import _core, _spec
-from ._errors import shallow_copy
+from ._core import WaitCycleError
+from ._errors import shallow_copy, waiting_on
 
 _LOG = logging.getLogger("async_array")
 
@@ -111,7 +112,7 @@ class Source:
                 if self.leaf_count == 1:
                     self.retrieved = True  # nothing left to report at collection
                 return value
-        elif not fut.done() and not fut.wait(timeout):
+        elif not fut.done() and not self.wait(index, timeout):
             raise TimeoutError(f"{self.where(index)}: not ready after {timeout} s")
         failed = self.error(index)
         if failed is not None:
@@ -119,6 +120,18 @@ class Source:
             exc, tb = failed
             raise exc.with_traceback(tb)
         return fut.result(0)[index]
+
+    def wait(self, index: int, timeout: float | None) -> bool:
+        """Waits (GIL released) for the task; True when it is done.
+
+        Raises:
+          WaitCycleError: called from a pool task that leaf ``index`` waits on
+            (directly or through other tasks): the wait would never end.
+        """
+        try:
+            return self.future.wait(timeout)
+        except WaitCycleError as exc:
+            raise waiting_on(exc, self.where(index)) from None
 
     def __del__(self) -> None:
         # As asyncio does: an exception nobody retrieved is logged, not lost;

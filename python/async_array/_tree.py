@@ -19,6 +19,8 @@ import jax
 
 from . import _core
 from ._array import AsyncArray, source_of, where_of
+from ._core import WaitCycleError
+from ._errors import waiting_on
 from ._source import pending
 from ._spec import timeout_seconds
 
@@ -80,6 +82,10 @@ def resolve_all(
       TypeError: ``timeout`` is not a number nor None.
       TimeoutError: some leaf not ready within ``timeout`` seconds; it names
         the failures already known.
+      RuntimeError: (``async_array._core.WaitCycleError``) called inside a
+        pool task that a waited leaf waits for (directly or through other
+        tasks), so the wait could never end but by its timeout; raised when
+        the wait starts, naming the leaf and the calls in the cycle.
       Exception: a failed leaf's exception, as soon as one is known (a
         failure never waits behind slow leaves): the first failed leaf in
         leaf order among the tasks that had failed, else the first to fail.
@@ -93,7 +99,11 @@ def resolve_all(
             for i in found.ready:  # a failure already known goes first
                 if failure_of(arrays[i]) is not None:
                     arrays[i].result()
-            stopped, failed = _core.wait_all_or_failure(found.futures, timeout)
+            try:
+                stopped, failed = _core.wait_all_or_failure(found.futures, timeout)
+            except WaitCycleError as exc:
+                leaf = arrays[found.groups[exc.index][0]]
+                raise waiting_on(exc, where_of(leaf)) from None
             if failed is not None:
                 arrays[found.groups[failed][0]].result()  # raises its failure
             if not stopped and any(not leaf.done() for leaf in arrays):
@@ -115,6 +125,10 @@ def materialize(tree: Any, timeout: float | None = None) -> Any:
     Raises:
       TimeoutError: some leaf not ready within ``timeout`` seconds (naming
         the failures already known).
+      RuntimeError: (``async_array._core.WaitCycleError``) called inside a
+        pool task that a waited leaf waits for (directly or through other
+        tasks), so the wait could never end but by its timeout; raised when
+        the wait starts, naming the leaf and the calls in the cycle.
       Exception: a failed leaf's exception, as soon as one is known (see
         :func:`resolve_all`); when all are done, the first in leaf order.
 
@@ -184,6 +198,11 @@ def wait(
 
     Raises:
       ValueError: an unknown ``return_when``.
+      RuntimeError: (``async_array._core.WaitCycleError``) called inside a
+        pool task that a waited leaf waits for (directly or through other
+        tasks), so the wait could never end but by its timeout (for
+        ``FIRST_COMPLETED``: every pending leaf does); raised when
+        the wait starts, naming the leaf and the calls in the cycle.
     """
     if return_when not in (ALL_COMPLETED, FIRST_COMPLETED, FIRST_EXCEPTION):
         raise ValueError(
@@ -193,6 +212,26 @@ def wait(
     if timeout is not None:
         timeout = timeout_seconds(timeout, "aa.wait")
     p = _pending(tree)
+    with _naming_cycles(p):
+        _wait(p, timeout, return_when)
+    done, not_done = [], []
+    for pair in p.paths:
+        (done if pair[1].done() else not_done).append(pair)
+    return DoneAndNotDone(done, not_done)
+
+
+@contextlib.contextmanager
+def _naming_cycles(p: Pending) -> Generator[None, None, None]:
+    """Rewords a cycle the core found in a wait on ``p.futures`` to name the
+    first leaf of the task that leads back."""
+    try:
+        yield
+    except WaitCycleError as exc:
+        leaf = p.paths[p.leaves[exc.index][0]][1]
+        raise waiting_on(exc, where_of(leaf)) from None
+
+
+def _wait(p: Pending, timeout: float | None, return_when: str) -> None:
     if p.futures:
         if return_when == ALL_COMPLETED:
             _core.wait_all(p.futures, timeout)
@@ -205,10 +244,6 @@ def wait(
                 k = watcher.next(_remaining(deadline))
                 if k is None or any(_raised(p.paths[i][1]) for i in p.leaves[k]):
                     break
-    done, not_done = [], []
-    for pair in p.paths:
-        (done if pair[1].done() else not_done).append(pair)
-    return DoneAndNotDone(done, not_done)
 
 
 def _raised(leaf: AsyncArray) -> bool:
@@ -234,6 +269,11 @@ def as_completed(tree: Any, timeout: float | None = None) -> Iterator[tuple[Any,
     Raises:
       TypeError: ``timeout`` is not a number nor None (at the call).
       TimeoutError: leaves still pending after ``timeout`` seconds.
+      RuntimeError: (``async_array._core.WaitCycleError``) called inside a
+        pool task that a waited leaf waits for (directly or through other
+        tasks), so the wait could never end but by its timeout (checked
+        at each step, over the leaves not yet yielded); raised when
+        the wait starts, naming the leaf and the calls in the cycle.
       Exception: a failed leaf's exception, when that leaf is reached.
     """
     if timeout is not None:
@@ -256,7 +296,11 @@ def _as_completed(p: Pending, timeout: float | None) -> Iterator[tuple[Any, jax.
     watcher = _core.Watcher(p.futures)
     futures = p.futures
     for _ in range(len(futures)):
-        k = watcher.next(_remaining(deadline))
+        try:
+            k = watcher.next(_remaining(deadline))
+        except WaitCycleError as exc:
+            pair = paths[p.leaves[exc.index][0]]
+            raise waiting_on(exc, where_of(pair[1])) from None
         if k is None:
             raise not_ready("aa.as_completed", [pair[1] for pair in paths if pair], timeout)
         futures[k] = None  # type: ignore[call-overload]

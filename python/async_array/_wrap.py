@@ -22,6 +22,10 @@ def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
         return convert_results(specs, holder)
 
 
+# How a cycle message names the task (see _core.WaitCycleError).
+_run.task_label = lambda f, specs: specs.name  # type: ignore[attr-defined]
+
+
 def _leaves_for(specs: LeafSpecs, future: _core.Future) -> Any:
     """The ``AsyncArray`` leaves of one call, in the shape of ``like``."""
     source = Source(future, specs.name, len(specs.avals), specs.key_path)

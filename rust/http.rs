@@ -1,0 +1,394 @@
+//! Byte ranges of a file served over HTTP(S): range requests on a small pool
+//! of keep-alive connections (ureq's agent, rustls for TLS), each with a
+//! deadline for the whole request, retries, and checks of what came back.
+//!
+//! Plain Rust. Every error names the URL and the byte range.
+
+use crate::buffer::AlignedBuf;
+use crate::error::Error;
+use crate::safetensors::{header_len, parse_header, TensorInfo, FIRST_READ};
+use std::io::Read;
+use std::time::{Duration, Instant};
+
+/// Idle keep-alive connections kept per host: the reads of one load share them.
+pub const POOL_CONNECTIONS: usize = 8;
+
+/// First wait before a retry; doubled at each retry, at most [`MAX_BACKOFF`].
+pub const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// How requests are made: the deadline of each (whole request, retries
+/// included; None: none) and how many times a connection error or 5xx is
+/// retried.
+#[derive(Clone)]
+pub struct Http {
+    agent: ureq::Agent,
+    pub timeout: Option<Duration>,
+    pub retries: u32,
+}
+
+/// Root certificates to trust: `$SSL_CERT_FILE` (PEM) when set, as OpenSSL
+/// and Python's `ssl` read it; else Mozilla's (webpki-roots).
+fn root_certs() -> Result<ureq::tls::RootCerts, Error> {
+    let Some(path) = std::env::var_os("SSL_CERT_FILE") else {
+        return Ok(ureq::tls::RootCerts::WebPki);
+    };
+    let pem = std::fs::read(&path)
+        .map_err(|e| Error::Io(format!("SSL_CERT_FILE={}: {e}", path.to_string_lossy())))?;
+    let certs = ureq::tls::parse_pem(&pem)
+        .filter_map(|item| match item {
+            Ok(ureq::tls::PemItem::Certificate(c)) => Some(Ok(c)),
+            Ok(_) => None,
+            Err(e) => Some(Err(e)),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| Error::Io(format!("SSL_CERT_FILE={}: {e}", path.to_string_lossy())))?;
+    Ok(ureq::tls::RootCerts::new_with_certs(&certs))
+}
+
+impl Http {
+    pub fn new(timeout: Option<Duration>, retries: u32) -> Result<Http, Error> {
+        let tls = ureq::tls::TlsConfig::builder()
+            .root_certs(root_certs()?)
+            .build();
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .max_idle_connections_per_host(POOL_CONNECTIONS)
+            .tls_config(tls)
+            .build()
+            .into();
+        Ok(Http {
+            agent,
+            timeout,
+            retries,
+        })
+    }
+
+    /// Reads bytes `[start, end)` of `url` into `out` (of length `end - start`),
+    /// retrying connection errors and 5xx. Returns the file's total size from
+    /// `Content-Range`. `what` names the read in errors (the tensor, say).
+    ///
+    /// With `upto`, a file shorter than `end` is no error: the server's
+    /// shorter range (`bytes start-(size-1)/size`) is read (a header's first read).
+    pub fn read_range(
+        &self,
+        url: &str,
+        start: u64,
+        end: u64,
+        upto: bool,
+        what: &str,
+        sink: &mut dyn FnMut(&[u8]),
+    ) -> Result<u64, Error> {
+        let deadline = self.timeout.and_then(|t| Instant::now().checked_add(t));
+        let mut backoff = FIRST_BACKOFF;
+        let mut attempt = 0;
+        loop {
+            match self.attempt(url, start, end, upto, what, deadline, sink) {
+                Ok(total) => return Ok(total),
+                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Retry(e)) => {
+                    if attempt >= self.retries {
+                        return Err(Error::Io(format!("{e} (after {} attempts)", attempt + 1)));
+                    }
+                    let now = Instant::now();
+                    if deadline.is_some_and(|d| now + backoff >= d) {
+                        return Err(Error::Deadline(format!(
+                            "{e}; no time left for a retry within the {} s timeout",
+                            self.timeout.unwrap_or_default().as_secs_f64()
+                        )));
+                    }
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    attempt += 1;
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attempt(
+        &self,
+        url: &str,
+        start: u64,
+        mut end: u64,
+        upto: bool,
+        what: &str,
+        deadline: Option<Instant>,
+        sink: &mut dyn FnMut(&[u8]),
+    ) -> Result<u64, Attempt> {
+        let here = format!("{url}: {what} (bytes [{start}, {end}))");
+        let timed_out = || {
+            Attempt::Fatal(Error::Deadline(format!(
+                "{here}: not finished within the {} s timeout",
+                self.timeout.unwrap_or_default().as_secs_f64()
+            )))
+        };
+        let left = match deadline {
+            None => None,
+            Some(d) => match d.checked_duration_since(Instant::now()) {
+                Some(left) if !left.is_zero() => Some(left),
+                _ => return Err(timed_out()),
+            },
+        };
+        if end <= start {
+            return Err(Attempt::Fatal(Error::InvalidArgument(format!(
+                "{here}: an empty range cannot be requested"
+            ))));
+        }
+        let response = self
+            .agent
+            .get(url)
+            .header("Range", format!("bytes={start}-{}", end - 1))
+            .config()
+            .timeout_global(left)
+            .build()
+            .call();
+        let mut response = match response {
+            Ok(r) => r,
+            Err(ureq::Error::Timeout(_)) => return Err(timed_out()),
+            // A certificate refused (rustls errors come as InvalidData): no retry helps.
+            Err(ureq::Error::Io(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
+                return Err(Attempt::Fatal(Error::Io(format!("{here}: {e}"))))
+            }
+            Err(
+                e @ (ureq::Error::Io(_)
+                | ureq::Error::ConnectionFailed
+                | ureq::Error::HostNotFound
+                | ureq::Error::Protocol(_)),
+            ) => return Err(Attempt::Retry(format!("{here}: {e}"))),
+            Err(e) => return Err(Attempt::Fatal(Error::Io(format!("{here}: {e}")))),
+        };
+        let status = response.status().as_u16();
+        match status {
+            206 => {}
+            404 | 410 => {
+                return Err(Attempt::Fatal(Error::NotFound(format!(
+                    "{here}: HTTP {status} (not found)"
+                ))))
+            }
+            500..=599 => {
+                return Err(Attempt::Retry(format!(
+                    "{here}: HTTP {status} (server error)"
+                )))
+            }
+            200 => {
+                return Err(Attempt::Fatal(Error::Io(format!(
+                    "{here}: HTTP 200: the server ignored the Range request (it must answer \
+                     206 Partial Content)"
+                ))))
+            }
+            _ => {
+                return Err(Attempt::Fatal(Error::Io(format!(
+                    "{here}: HTTP {status} (expected 206 Partial Content)"
+                ))))
+            }
+        }
+        let headers = response.headers();
+        let header = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        let content_range = header("content-range");
+        let total = content_range
+            .as_deref()
+            .and_then(|v| parse_content_range(v, start, end, upto))
+            .ok_or_else(|| {
+                Attempt::Fatal(Error::Io(format!(
+                    "{here}: wrong Content-Range {:?} (expected \"bytes {start}-{}/<size>\")",
+                    content_range.as_deref().unwrap_or("(none)"),
+                    end - 1
+                )))
+            })?;
+        end = end.min(total);
+        if let Some(length) = header("content-length") {
+            if length.trim().parse::<u64>().ok() != Some(end - start) {
+                return Err(Attempt::Fatal(Error::Io(format!(
+                    "{here}: wrong Content-Length {length:?} (expected {})",
+                    end - start
+                ))));
+            }
+        }
+        let mut reader = response
+            .body_mut()
+            .with_config()
+            .limit(end - start)
+            .reader();
+        let mut got = 0u64;
+        let mut chunk = vec![0u8; 256 * 1024];
+        while got < end - start {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(timed_out());
+            }
+            let want = ((end - start - got) as usize).min(chunk.len());
+            match reader.read(&mut chunk[..want]) {
+                Ok(0) => {
+                    return Err(Attempt::Fatal(Error::Io(format!(
+                        "{here}: truncated body: {got} of {} bytes received",
+                        end - start
+                    ))))
+                }
+                Ok(n) => {
+                    sink(&chunk[..n]);
+                    got += n as u64;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Err(timed_out()),
+                Err(e) => {
+                    let timeout = matches!(
+                        e.get_ref().and_then(|i| i.downcast_ref::<ureq::Error>()),
+                        Some(ureq::Error::Timeout(_))
+                    );
+                    if timeout {
+                        return Err(timed_out());
+                    }
+                    return Err(Attempt::Fatal(Error::Io(format!(
+                        "{here}: truncated body: {got} of {} bytes received ({e})",
+                        end - start
+                    ))));
+                }
+            }
+        }
+        Ok(total)
+    }
+}
+
+enum Attempt {
+    /// A connection error or 5xx: the message.
+    Retry(String),
+    Fatal(Error),
+}
+
+/// The total size from `Content-Range: bytes start-last/total`, if it matches
+/// the range asked for (with `upto`, or a shorter one that ends the file).
+pub fn parse_content_range(value: &str, start: u64, end: u64, upto: bool) -> Option<u64> {
+    let rest = value.trim().strip_prefix("bytes ")?;
+    let (range, total) = rest.split_once('/')?;
+    let (a, b) = range.split_once('-')?;
+    let (a, b): (u64, u64) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+    let total: u64 = total.trim().parse().ok()?;
+    let exact = b.checked_add(1) == Some(end) && end <= total;
+    let short = upto && b.checked_add(1) == Some(total) && total < end;
+    (a == start && a <= b && (exact || short)).then_some(total)
+}
+
+/// A safetensors file served over HTTP(S) and its validated header.
+pub struct RemoteFile {
+    pub url: String,
+    pub http: Http,
+    pub len: u64,
+    pub tensors: Vec<TensorInfo>,
+}
+
+impl RemoteFile {
+    /// Reads the header: one range request of at most [`FIRST_READ`] bytes, a
+    /// second only for a longer header (never more than the file's size).
+    pub fn open(url: &str, http: Http) -> Result<RemoteFile, Error> {
+        let mut first = Vec::new();
+        let len = http.read_range(url, 0, FIRST_READ, true, "header", &mut |b| {
+            first.extend_from_slice(b)
+        })?;
+        let n = header_len(url, &first, len).map_err(Error::Format)?;
+        let json = if 8 + n <= first.len() as u64 {
+            first[8..(8 + n) as usize].to_vec()
+        } else {
+            let mut rest = Vec::with_capacity(n as usize);
+            http.read_range(url, 8, 8 + n, false, "header", &mut |b| {
+                rest.extend_from_slice(b)
+            })?;
+            rest
+        };
+        let tensors = parse_header(url, &json, len).map_err(Error::Format)?;
+        Ok(RemoteFile {
+            url: url.to_owned(),
+            http,
+            len,
+            tensors,
+        })
+    }
+
+    /// Reads the tensors `indices` (in file order, as the caller grouped
+    /// them) with one range request from the first's start to the last's
+    /// end, into new aligned memory each; bytes between them are skipped.
+    pub fn read_group(&self, indices: &[usize]) -> Result<Vec<AlignedBuf>, Error> {
+        let tensors: Vec<&TensorInfo> = indices.iter().map(|&i| &self.tensors[i]).collect();
+        if tensors.windows(2).any(|w| w[1].start < w[0].end) {
+            return Err(Error::InvalidArgument(
+                "RemoteFile.read_group: tensors must be in file order".into(),
+            ));
+        }
+        let (Some(first), Some(last)) = (tensors.first(), tensors.last()) else {
+            return Ok(Vec::new());
+        };
+        let (start, end) = (first.start, last.end);
+        let buffers = tensors
+            .iter()
+            .map(|t| {
+                let n = t.nbytes() as usize;
+                AlignedBuf::uninit(n).ok_or(Error::OutOfMemory(n))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let what = if tensors.len() == 1 {
+            format!("tensor {:?}", first.name)
+        } else {
+            format!(
+                "tensors {:?} to {:?} ({} tensors)",
+                first.name,
+                last.name,
+                tensors.len()
+            )
+        };
+        if end > start {
+            let mut pos = start;
+            let mut k = 0;
+            self.http
+                .read_range(&self.url, start, end, false, &what, &mut |mut chunk| {
+                    while !chunk.is_empty() && k < tensors.len() {
+                        let t = tensors[k];
+                        if pos < t.start {
+                            let skip = ((t.start - pos) as usize).min(chunk.len());
+                            chunk = &chunk[skip..];
+                            pos += skip as u64;
+                            continue;
+                        }
+                        let n = ((t.end - pos) as usize).min(chunk.len());
+                        let at = (pos - t.start) as usize;
+                        // SAFETY: `buffers[k]` owns `t.nbytes()` bytes, nobody else
+                        // sees it yet, and `at + n <= t.end - t.start`.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                chunk.as_ptr(),
+                                buffers[k].as_ptr().add(at),
+                                n,
+                            )
+                        };
+                        chunk = &chunk[n..];
+                        pos += n as u64;
+                        if pos == t.end {
+                            k += 1;
+                        }
+                    }
+                })?;
+        }
+        Ok(buffers)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_range_must_match_the_request() {
+        assert_eq!(parse_content_range("bytes 0-7/100", 0, 8, false), Some(100));
+        assert_eq!(parse_content_range("bytes 0-7/100", 0, 9, false), None);
+        assert_eq!(parse_content_range("bytes 1-8/100", 0, 8, false), None);
+        assert_eq!(parse_content_range("bytes 0-7/*", 0, 8, false), None);
+        assert_eq!(parse_content_range("bytes 0-7/5", 0, 8, false), None);
+        assert_eq!(parse_content_range("items 0-7/100", 0, 8, false), None);
+        assert_eq!(parse_content_range("bytes 0-49/50", 0, 100, true), Some(50));
+        assert_eq!(parse_content_range("bytes 0-49/50", 0, 100, false), None);
+        assert_eq!(parse_content_range("bytes 0-48/50", 0, 100, true), None);
+    }
+}

@@ -1,0 +1,488 @@
+//! The safetensors format: the header parsed and validated completely, and
+//! the byte ranges of its tensors read into 64-byte-aligned memory.
+//!
+//! Plain Rust (no pyo3), tested by `cargo test`. A file is 8 bytes of
+//! little-endian header length `n`, `n` bytes of JSON (an object: tensor name
+//! -> `{"dtype", "shape", "data_offsets": [begin, end]}`, plus an optional
+//! `"__metadata__"` of strings), then the data; offsets count from the end of
+//! the header. Every check here happens before any tensor memory is
+//! allocated, and no allocation exceeds the file's size: a corrupt length
+//! fails with a message, never with an attempt to allocate it.
+
+use crate::buffer::AlignedBuf;
+use serde_json::Value;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+
+/// How many bytes the first read of a header takes: most headers fit, so a
+/// file's header costs one read.
+pub const FIRST_READ: u64 = 64 * 1024;
+
+/// Headers longer than this are refused (safetensors' own limit is 100 MB).
+pub const MAX_HEADER: u64 = 100 * 1000 * 1000;
+
+/// The safetensors dtypes that JAX has, by their safetensors names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    Bool,
+    U8,
+    I8,
+    U16,
+    I16,
+    U32,
+    I32,
+    U64,
+    I64,
+    F16,
+    Bf16,
+    F32,
+    F64,
+    F8E4m3,
+    F8E5m2,
+}
+
+impl Dtype {
+    pub const ALL: [Dtype; 15] = [
+        Dtype::Bool,
+        Dtype::U8,
+        Dtype::I8,
+        Dtype::U16,
+        Dtype::I16,
+        Dtype::U32,
+        Dtype::I32,
+        Dtype::U64,
+        Dtype::I64,
+        Dtype::F16,
+        Dtype::Bf16,
+        Dtype::F32,
+        Dtype::F64,
+        Dtype::F8E4m3,
+        Dtype::F8E5m2,
+    ];
+
+    /// The name in a safetensors header.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bool => "BOOL",
+            Dtype::U8 => "U8",
+            Dtype::I8 => "I8",
+            Dtype::U16 => "U16",
+            Dtype::I16 => "I16",
+            Dtype::U32 => "U32",
+            Dtype::I32 => "I32",
+            Dtype::U64 => "U64",
+            Dtype::I64 => "I64",
+            Dtype::F16 => "F16",
+            Dtype::Bf16 => "BF16",
+            Dtype::F32 => "F32",
+            Dtype::F64 => "F64",
+            Dtype::F8E4m3 => "F8_E4M3",
+            Dtype::F8E5m2 => "F8_E5M2",
+        }
+    }
+
+    /// The numpy/ml_dtypes name of the same type (F8_E4M3 is torch's and
+    /// safetensors' `float8_e4m3fn`).
+    pub fn numpy_name(self) -> &'static str {
+        match self {
+            Dtype::Bool => "bool",
+            Dtype::U8 => "uint8",
+            Dtype::I8 => "int8",
+            Dtype::U16 => "uint16",
+            Dtype::I16 => "int16",
+            Dtype::U32 => "uint32",
+            Dtype::I32 => "int32",
+            Dtype::U64 => "uint64",
+            Dtype::I64 => "int64",
+            Dtype::F16 => "float16",
+            Dtype::Bf16 => "bfloat16",
+            Dtype::F32 => "float32",
+            Dtype::F64 => "float64",
+            Dtype::F8E4m3 => "float8_e4m3fn",
+            Dtype::F8E5m2 => "float8_e5m2",
+        }
+    }
+
+    pub fn itemsize(self) -> u64 {
+        match self {
+            Dtype::Bool | Dtype::U8 | Dtype::I8 | Dtype::F8E4m3 | Dtype::F8E5m2 => 1,
+            Dtype::U16 | Dtype::I16 | Dtype::F16 | Dtype::Bf16 => 2,
+            Dtype::U32 | Dtype::I32 | Dtype::F32 => 4,
+            Dtype::U64 | Dtype::I64 | Dtype::F64 => 8,
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Dtype> {
+        Dtype::ALL.into_iter().find(|d| d.name() == name)
+    }
+}
+
+/// One tensor of a header; `start..end` are absolute byte offsets in the file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorInfo {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub start: u64,
+    pub end: u64,
+}
+
+impl TensorInfo {
+    pub fn nbytes(&self) -> u64 {
+        self.end - self.start
+    }
+}
+
+/// The header length in the first 8 bytes, checked against the file size.
+/// `prefix` is what the first read gave (at least 8 bytes unless the file is
+/// shorter).
+pub fn header_len(file: &str, prefix: &[u8], file_len: u64) -> Result<u64, String> {
+    if file_len < 8 || prefix.len() < 8 {
+        return Err(format!(
+            "{file}: not a safetensors file: {file_len} bytes, shorter than the 8-byte \
+             header length (bytes [0, 8))"
+        ));
+    }
+    let n = u64::from_le_bytes(prefix[..8].try_into().expect("8 bytes"));
+    if n > MAX_HEADER {
+        return Err(format!(
+            "{file}: header length {n} (bytes [0, 8)) exceeds the {MAX_HEADER}-byte limit; \
+             the file is corrupt or not safetensors"
+        ));
+    }
+    if n > file_len - 8 {
+        return Err(format!(
+            "{file}: header length {n} (bytes [0, 8)) goes beyond the file: the header \
+             would end at byte {}, the file has {file_len} bytes",
+            8 + n
+        ));
+    }
+    Ok(n)
+}
+
+fn at(file: &str, name: &str) -> String {
+    format!("{file}: tensor {name:?}")
+}
+
+/// Parses and validates the JSON header `json` (the bytes after the length)
+/// of a file of `file_len` bytes. Tensors come back in file order (by start
+/// offset). Checks: a JSON object; each entry an object with a known dtype, a
+/// shape of non-negative integers and two data offsets; offsets within the
+/// data, end - begin = product(shape) x itemsize, no two tensors overlapping.
+pub fn parse_header(file: &str, json: &[u8], file_len: u64) -> Result<Vec<TensorInfo>, String> {
+    let data_start = 8 + json.len() as u64;
+    let hdr = format!("{file}: header (bytes [8, {data_start}))");
+    let value: Value =
+        serde_json::from_slice(json).map_err(|e| format!("{hdr} is not valid JSON: {e}"))?;
+    let Value::Object(map) = value else {
+        return Err(format!(
+            "{hdr} is not a JSON object: it is {}",
+            json_kind(&value)
+        ));
+    };
+    let data_len = file_len - data_start;
+    let mut tensors = Vec::with_capacity(map.len());
+    for (name, entry) in &map {
+        if name == "__metadata__" {
+            if !matches!(entry, Value::Object(_)) {
+                return Err(format!(
+                    "{hdr}: __metadata__ must be an object of strings, got {}",
+                    json_kind(entry)
+                ));
+            }
+            continue;
+        }
+        let here = at(file, name);
+        let Value::Object(fields) = entry else {
+            return Err(format!(
+                "{here}: the header entry must be an object with dtype, shape and \
+                 data_offsets, got {}",
+                json_kind(entry)
+            ));
+        };
+        let dtype = match fields.get("dtype") {
+            None => return Err(format!("{here}: the header entry has no dtype")),
+            Some(Value::String(s)) => Dtype::from_name(s).ok_or_else(|| {
+                let known: Vec<_> = Dtype::ALL.iter().map(|d| d.name()).collect();
+                format!(
+                    "{here}: unknown or unsupported dtype {s:?} (JAX has {})",
+                    known.join(", ")
+                )
+            })?,
+            Some(other) => {
+                return Err(format!(
+                    "{here}: dtype must be a string, got {}",
+                    json_kind(other)
+                ))
+            }
+        };
+        let shape = match fields.get("shape") {
+            None => return Err(format!("{here}: the header entry has no shape")),
+            Some(Value::Array(dims)) => dims
+                .iter()
+                .map(|d| d.as_u64())
+                .collect::<Option<Vec<u64>>>()
+                .ok_or_else(|| {
+                    format!("{here}: shape must be a list of non-negative integers, got {entry}")
+                })?,
+            Some(other) => {
+                return Err(format!(
+                    "{here}: shape must be a list, got {}",
+                    json_kind(other)
+                ))
+            }
+        };
+        let offsets = match fields.get("data_offsets") {
+            None => return Err(format!("{here}: the header entry has no data_offsets")),
+            Some(Value::Array(o)) if o.len() == 2 => (o[0].as_u64(), o[1].as_u64()),
+            Some(other) => {
+                return Err(format!(
+                    "{here}: data_offsets must be [begin, end], got {other}"
+                ))
+            }
+        };
+        let (Some(begin), Some(end)) = offsets else {
+            return Err(format!(
+                "{here}: data_offsets must be two non-negative integers, got {}",
+                fields["data_offsets"]
+            ));
+        };
+        let range = format!(
+            "data_offsets [{begin}, {end}) (file bytes [{}, {}))",
+            data_start.saturating_add(begin),
+            data_start.saturating_add(end)
+        );
+        if begin > end {
+            return Err(format!("{here}: {range}: begin is after end"));
+        }
+        if end > data_len {
+            return Err(format!(
+                "{here}: {range} out of bounds: the data section has {data_len} bytes \
+                 (the file {file_len})"
+            ));
+        }
+        let expected = shape
+            .iter()
+            .try_fold(dtype.itemsize(), |acc, &d| acc.checked_mul(d));
+        if expected != Some(end - begin) {
+            let expected = expected.map_or_else(|| "more than 2**64".to_owned(), |e| e.to_string());
+            return Err(format!(
+                "{here}: {range} hold {} bytes, but shape {shape:?} of {} needs {expected}",
+                end - begin,
+                dtype.name()
+            ));
+        }
+        tensors.push(TensorInfo {
+            name: name.clone(),
+            dtype,
+            shape,
+            start: data_start + begin,
+            end: data_start + end,
+        });
+    }
+    tensors.sort_by_key(|t| (t.start, t.end));
+    for pair in tensors.windows(2) {
+        let (a, b) = (&pair[0], &pair[1]);
+        if b.start < a.end {
+            return Err(format!(
+                "{file}: tensors {:?} (file bytes [{}, {})) and {:?} (file bytes [{}, {})) overlap",
+                a.name, a.start, a.end, b.name, b.start, b.end
+            ));
+        }
+    }
+    Ok(tensors)
+}
+
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Reads exactly `buf.len()` bytes at `offset` of `file` (`pread`, retried
+/// on interruption and short reads). `what` names the read in errors.
+pub fn pread_exact(
+    file: &File,
+    mut buf: &mut [u8],
+    mut offset: u64,
+    what: &str,
+) -> Result<(), String> {
+    let total = buf.len();
+    while !buf.is_empty() {
+        match file.read_at(buf, offset) {
+            Ok(0) => {
+                return Err(format!(
+                    "{what}: the file ended after {} of {total} bytes (it was truncated \
+                     while being read?)",
+                    total - buf.len()
+                ))
+            }
+            Ok(n) => {
+                buf = &mut buf[n..];
+                offset += n as u64;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(format!("{what}: {e}")),
+        }
+    }
+    Ok(())
+}
+
+/// An open local safetensors file and its validated header.
+pub struct LocalFile {
+    pub path: String,
+    pub file: File,
+    pub len: u64,
+    pub tensors: Vec<TensorInfo>,
+}
+
+impl LocalFile {
+    /// Opens `path` and reads its header: one read of at most [`FIRST_READ`]
+    /// bytes, a second only for a longer header.
+    pub fn open(path: &str) -> Result<LocalFile, std::io::Error> {
+        let file =
+            File::open(path).map_err(|e| std::io::Error::new(e.kind(), format!("{path}: {e}")))?;
+        let len = file.metadata()?.len();
+        let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+        let mut first = vec![0u8; FIRST_READ.min(len) as usize];
+        let what = format!("{path}: header (bytes [0, {}))", first.len());
+        pread_exact(&file, &mut first, 0, &what).map_err(invalid)?;
+        let n = header_len(path, &first, len).map_err(invalid)?;
+        let json: Vec<u8> = if 8 + n <= first.len() as u64 {
+            first[8..(8 + n) as usize].to_vec()
+        } else {
+            // Within the file (checked above), so never more than its size.
+            let mut rest = vec![0u8; n as usize];
+            pread_exact(
+                &file,
+                &mut rest,
+                8,
+                &format!("{path}: header (bytes [8, {}))", 8 + n),
+            )
+            .map_err(invalid)?;
+            rest
+        };
+        let tensors = parse_header(path, &json, len).map_err(invalid)?;
+        Ok(LocalFile {
+            path: path.to_owned(),
+            file,
+            len,
+            tensors,
+        })
+    }
+
+    /// Reads tensor `i` into new aligned memory.
+    pub fn read(&self, i: usize) -> Result<AlignedBuf, ReadError> {
+        let t = &self.tensors[i];
+        let n = t.nbytes() as usize;
+        let memory = AlignedBuf::uninit(n).ok_or(ReadError::OutOfMemory(n))?;
+        // SAFETY: `memory` owns `n` writable bytes and nobody else sees it yet;
+        // the slice lives only for this call.
+        let slice = unsafe { std::slice::from_raw_parts_mut(memory.as_ptr(), n) };
+        let what = format!(
+            "{}: tensor {:?} (file bytes [{}, {}))",
+            self.path, t.name, t.start, t.end
+        );
+        pread_exact(&self.file, slice, t.start, &what).map_err(ReadError::Io)?;
+        Ok(memory)
+    }
+}
+
+/// Why reading a tensor's bytes failed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReadError {
+    OutOfMemory(usize),
+    Io(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file_bytes(json: &str, data: &[u8]) -> Vec<u8> {
+        let mut v = (json.len() as u64).to_le_bytes().to_vec();
+        v.extend_from_slice(json.as_bytes());
+        v.extend_from_slice(data);
+        v
+    }
+
+    fn parse(json: &str, data_len: usize) -> Result<Vec<TensorInfo>, String> {
+        let bytes = file_bytes(json, &vec![0; data_len]);
+        let n = header_len("f", &bytes, bytes.len() as u64)?;
+        parse_header("f", &bytes[8..8 + n as usize], bytes.len() as u64)
+    }
+
+    #[test]
+    fn good_header_in_file_order() {
+        let t = parse(
+            r#"{"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]},
+                "a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]},
+                "__metadata__":{"format":"pt"}}"#,
+            12,
+        )
+        .unwrap();
+        assert_eq!(t.len(), 2);
+        assert_eq!(t[0].name, "a");
+        assert_eq!(t[0].dtype, Dtype::Bf16);
+        assert_eq!(t[1].shape, vec![2]);
+        assert_eq!(t[1].nbytes(), 8);
+    }
+
+    #[test]
+    fn every_malformed_header_is_named() {
+        let cases = [
+            ("[1, 2]", 0, "not a JSON object"),
+            ("{\"a\": 3}", 0, "must be an object"),
+            (r#"{"a":{"shape":[1],"data_offsets":[0,4]}}"#, 4, "no dtype"),
+            (
+                r#"{"a":{"dtype":"Q9","shape":[1],"data_offsets":[0,4]}}"#,
+                4,
+                "unknown",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,8]}}"#,
+                4,
+                "out of bounds",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#,
+                8,
+                "needs 8",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}"#,
+                4,
+                "non-negative",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},
+                   "b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+                8,
+                "overlap",
+            ),
+            ("{not json", 0, "not valid JSON"),
+        ];
+        for (json, data, want) in cases {
+            let err = parse(json, data).unwrap_err();
+            assert!(err.contains(want), "{json}: {err}");
+            assert!(err.starts_with("f: "), "{err}");
+        }
+    }
+
+    #[test]
+    fn header_length_beyond_the_file_allocates_nothing() {
+        let mut bytes = file_bytes("{}", &[]);
+        bytes[..8].copy_from_slice(&3_000_000_000u64.to_le_bytes());
+        let err = header_len("f", &bytes, bytes.len() as u64).unwrap_err();
+        assert!(err.contains("limit"), "{err}");
+        bytes[..8].copy_from_slice(&1000u64.to_le_bytes());
+        let err = header_len("f", &bytes, bytes.len() as u64).unwrap_err();
+        assert!(err.contains("beyond the file"), "{err}");
+        assert!(header_len("f", &bytes[..4], 4).is_err());
+    }
+}

@@ -1,0 +1,356 @@
+"""aa.load_safetensors from local files: every dtype bit-exact against the
+safetensors package, like= checks, malformed headers, the byte budget,
+progress."""
+
+import json
+import struct
+import threading
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+from safetensors import _safetensors_rust as st_rust
+
+import async_array as aa
+from async_array import _safetensors
+
+# safetensors dtype name -> numpy dtype (as JAX has them).
+ST_DTYPES = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "U16": np.dtype(np.uint16),
+    "I16": np.dtype(np.int16),
+    "U32": np.dtype(np.uint32),
+    "I32": np.dtype(np.int32),
+    "U64": np.dtype(np.uint64),
+    "I64": np.dtype(np.int64),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
+
+
+@pytest.fixture
+def x64():
+    """64-bit types kept as they are for this test."""
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", before)
+
+
+def random_bits(dtype: np.dtype, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Arbitrary bit patterns of ``dtype`` (NaNs, infs, subnormals included),
+    but valid booleans."""
+    if dtype == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    raw = rng.integers(0, 256, size=(*shape, dtype.itemsize), dtype=np.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def write_with_safetensors(path, arrays: dict[str, tuple[str, np.ndarray]]) -> None:
+    """Writes a file with the safetensors package's own serializer."""
+    alive = {name: np.array(a, order="C") for name, (_, a) in arrays.items()}
+    tensors = {
+        name: st_rust.TensorSpec(
+            dtype=a.dtype.name, shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes
+        )
+        for name, a in alive.items()
+    }
+    st_rust.serialize_file(tensors, str(path))
+    with open(path, "rb") as f:  # the package wrote the dtype we meant
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    assert {k: header[k]["dtype"] for k in arrays} == {k: st for k, (st, _) in arrays.items()}
+
+
+def write_raw(path, header: object, data: bytes = b"", length: int | None = None) -> None:
+    """Writes a file with any header (malformed ones included)."""
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    n = len(text) if length is None else length
+    path.write_bytes(struct.pack("<Q", n) + text + data)
+
+
+@pytest.mark.parametrize("st_name", list(ST_DTYPES))
+def test_every_dtype_loads_bit_exact(tmp_path, x64, st_name):
+    dtype = ST_DTYPES[st_name]
+    rng = np.random.default_rng(len(st_name))
+    arrays = {
+        "w": (st_name, random_bits(dtype, (3, 5, 7), rng)),
+        "scalar": (st_name, random_bits(dtype, (), rng)),
+        "empty": (st_name, random_bits(dtype, (0, 4), rng)),
+    }
+    path = tmp_path / "m.safetensors"
+    write_with_safetensors(path, arrays)
+    tree = aa.load_safetensors(path)
+    assert list(tree) == ["empty", "scalar", "w"] or set(tree) == set(arrays)
+    got = aa.materialize(tree, timeout=30)
+    reference = None
+    if st_name in safetensors.numpy._TYPES:
+        reference = safetensors.numpy.load_file(str(path))
+    for name, (_, want) in arrays.items():
+        out = np.asarray(got[name])
+        assert got[name].dtype == dtype, name
+        assert out.shape == want.shape
+        assert out.tobytes() == want.tobytes(), name
+        if reference is not None:
+            assert out.tobytes() == reference[name].tobytes(), name
+    with safetensors.safe_open(str(path), framework="numpy") as f:
+        assert sorted(f.keys()) == sorted(got)
+
+
+@pytest.mark.parametrize("st_name", ["I64", "U64", "F64"])
+def test_64_bit_tensors_come_as_32_bit_without_x64(tmp_path, st_name):
+    assert not jax.config.jax_enable_x64
+    want = np.arange(12, dtype=ST_DTYPES[st_name]).reshape(3, 4)
+    path = tmp_path / "m.safetensors"
+    write_with_safetensors(path, {"t": (st_name, want)})
+    got = aa.materialize(aa.load_safetensors(path), timeout=30)["t"]
+    assert got.dtype == jax.dtypes.canonicalize_dtype(want.dtype)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_file_url_and_zero_copy(tmp_path, monkeypatch):
+    want = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"a": want, "b": want[:3]}, str(path))
+    addresses = {}
+    convert = _safetensors.convert_one
+
+    def recording(specs, i, value):
+        if isinstance(value, aa.HostBuffer):
+            addresses[i] = value.address
+        return convert(specs, i, value)
+
+    monkeypatch.setattr(_safetensors, "convert_one", recording)
+    tree = aa.load_safetensors(f"file://{path}")
+    arrays = aa.materialize(tree, timeout=30)
+    np.testing.assert_array_equal(np.asarray(arrays["a"]), want)
+    np.testing.assert_array_equal(np.asarray(arrays["b"]), want[:3])
+    assert sorted(addresses.values()) == sorted(a.unsafe_buffer_pointer() for a in arrays.values())
+
+
+def test_like_flat_and_nested_return_at_once_and_read_only_those(tmp_path):
+    rng = np.random.default_rng(0)
+    data = {
+        "enc.layer.0.w": rng.standard_normal((4, 3)).astype(np.float32),
+        "enc.layer.0.b": rng.standard_normal((3,)).astype(np.float32),
+        "head": rng.standard_normal((2,)).astype(np.float16),
+    }
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(data, str(path))
+    spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    flat = {k: spec(v) for k, v in data.items() if k != "head"}
+    got = aa.materialize(aa.load_safetensors(path, like=flat), timeout=30)
+    assert set(got) == set(flat)
+    for k in flat:
+        np.testing.assert_array_equal(np.asarray(got[k]), data[k])
+    nested = {
+        "enc": {"layer": {"0": {"w": spec(data["enc.layer.0.w"])}}},
+        "head": spec(data["head"]),
+    }
+    got = aa.materialize(aa.load_safetensors(path, like=nested), timeout=30)
+    np.testing.assert_array_equal(np.asarray(got["enc"]["layer"]["0"]["w"]), data["enc.layer.0.w"])
+    np.testing.assert_array_equal(np.asarray(got["head"]), data["head"])
+
+
+def test_like_mismatches_fail_their_own_leaves_naming_expected_and_found(tmp_path):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(
+        {"a": np.zeros((2, 3), np.float32), "b": np.zeros(4, np.int32), "c": np.ones(2, np.int8)},
+        str(path),
+    )
+    like = {
+        "a": jax.ShapeDtypeStruct((3, 2), np.float32),
+        "b": jax.ShapeDtypeStruct((4,), np.float32),
+        "c": jax.ShapeDtypeStruct((2,), np.int8),
+        "missing": jax.ShapeDtypeStruct((1,), np.float32),
+    }
+    tree = aa.load_safetensors(path, like=like)
+    np.testing.assert_array_equal(np.asarray(tree["c"].result(timeout=30)), [1, 1])
+    with pytest.raises(
+        ValueError, match=r"tensor 'a'.*expected shape \(3, 2\).*found shape \(2, 3\)"
+    ):
+        tree["a"].result(timeout=30)
+    with pytest.raises(ValueError, match=r"tensor 'b'.*dtype float32.*found.*dtype int32 \(I32\)"):
+        tree["b"].result(timeout=30)
+    with pytest.raises(KeyError, match="tensor 'missing' is not in"):
+        tree["missing"].result(timeout=30)
+
+
+def test_like_with_a_missing_file_fails_every_leaf(tmp_path):
+    like = {"a": jax.ShapeDtypeStruct((1,), np.float32)}
+    tree = aa.load_safetensors(tmp_path / "nope.safetensors", like=like)
+    with pytest.raises(FileNotFoundError, match=r"nope\.safetensors"):
+        tree["a"].result(timeout=30)
+
+
+def test_missing_file_raises_at_the_call(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope\.safetensors"):
+        aa.load_safetensors(tmp_path / "nope.safetensors")
+
+
+def entry(dtype="F32", shape=(2,), offsets=(0, 8), **drop):
+    e = {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
+    return {k: v for k, v in e.items() if k not in drop}
+
+
+GOOD = {"t": entry()}
+D8 = b"\0" * 8
+FILE_BYTES = r"\(file bytes \[\d+, \d+\)\)"
+
+MALFORMED = [
+    # (header, data bytes, header length or None, what the message says)
+    (GOOD, D8, 3_000_000_000, r"header length 3000000000 \(bytes \[0, 8\)\) exceeds"),
+    (GOOD, D8, 2**62, r"header length 4611686018427387904 \(bytes \[0, 8\)\) exceeds"),
+    (GOOD, D8, 5000, r"header length 5000 \(bytes \[0, 8\)\) goes beyond the file"),
+    ([1, 2], b"", None, r"header \(bytes \[8, 14\)\) is not a JSON object: it is a list"),
+    (b"{nope", b"", None, r"header \(bytes \[8, 13\)\) is not valid JSON"),
+    ({"t": entry(dtype=None)}, D8, None, 'tensor "t": dtype must be a string'),
+    ({"t": {"shape": [2], "data_offsets": [0, 8]}}, D8, None, 'tensor "t": .* has no dtype'),
+    ({"t": entry("C64")}, D8, None, 'tensor "t": unknown or unsupported dtype "C64"'),
+    ({"t": entry(shape=(4,), offsets=(0, 16))}, D8, None,
+     rf'tensor "t": data_offsets \[0, 16\) {FILE_BYTES} out of bounds'),
+    ({"t": entry(shape=(3,))}, D8, None,
+     r'tensor "t": data_offsets \[0, 8\).*hold 8 bytes, but shape \[3\] of F32 needs 12'),
+    ({"t": entry(), "u": entry(shape=(1,), offsets=(4, 8))}, D8, None,
+     rf'tensors "t" {FILE_BYTES} and "u" {FILE_BYTES} overlap'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("header,data,length,message", MALFORMED)
+def test_malformed_headers_raise_naming_file_tensor_and_bytes(
+    tmp_path, header, data, length, message
+):
+    path = tmp_path / "bad.safetensors"
+    write_raw(path, header, data, length)
+    with pytest.raises(ValueError, match=message) as info:
+        aa.load_safetensors(path)
+    assert str(info.value).startswith(str(path))
+    # With like=, the same error fails the leaves.
+    tree = aa.load_safetensors(path, like={"t": jax.ShapeDtypeStruct((2,), np.float32)})
+    with pytest.raises(ValueError, match=message):
+        tree["t"].result(timeout=30)
+
+
+def test_a_file_shorter_than_8_bytes(tmp_path):
+    path = tmp_path / "short.safetensors"
+    path.write_bytes(b"abc")
+    with pytest.raises(ValueError, match="3 bytes, shorter than the 8-byte header length"):
+        aa.load_safetensors(path)
+
+
+def test_max_bytes_in_flight_bounds_what_is_allocated(tmp_path, monkeypatch):
+    arrays = {f"t{i:02d}": np.full((256,), i, np.float32) for i in range(20)}  # 1 KiB each
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(arrays, str(path))
+    peaks = []
+    lock = threading.Lock()
+    pump = _safetensors._Load.pump
+
+    def watched(self):
+        pump(self)
+        with self.lock:
+            peaks.append(self.in_flight)
+
+    monkeypatch.setattr(_safetensors._Load, "pump", watched)
+    aa.configure(max_workers=4)
+    try:
+        tree = aa.load_safetensors(path, max_bytes_in_flight=2500)
+        got = aa.materialize(tree, timeout=30)
+    finally:
+        aa.configure(max_workers=None)
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(np.asarray(got[k]), v)
+    with lock:
+        assert peaks and max(peaks) <= 2048
+
+
+def test_a_tensor_larger_than_the_budget_still_loads_alone(tmp_path):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"big": np.ones(1000, np.float32)}, str(path))
+    got = aa.materialize(aa.load_safetensors(path, max_bytes_in_flight=10), timeout=30)
+    np.testing.assert_array_equal(np.asarray(got["big"]), np.ones(1000, np.float32))
+
+
+def test_progress_callable_gets_bytes_done_and_total(tmp_path):
+    arrays = {f"t{i}": np.zeros(100 * (i + 1), np.uint8) for i in range(5)}
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(arrays, str(path))
+    calls = []
+    lock = threading.Lock()
+
+    def progress(done, total):
+        with lock:
+            calls.append((done, total))
+
+    aa.materialize(aa.load_safetensors(path, progress=progress), timeout=30)
+    with lock:
+        assert max(calls) == (1500, 1500)
+        assert len({d for d, _ in calls}) == len(calls)  # each read counted once
+        assert {t for _, t in calls} == {1500}
+
+
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        ({"max_bytes_in_flight": 0}, ValueError),
+        ({"max_bytes_in_flight": 1.5}, TypeError),
+        ({"retries": -1}, TypeError),
+        ({"timeout": "soon"}, TypeError),
+        ({"progress": 3}, TypeError),
+    ],
+)
+def test_bad_arguments_raise_at_the_call(tmp_path, kwargs, error):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"a": np.zeros(1, np.float32)}, str(path))
+    with pytest.raises(error):
+        aa.load_safetensors(path, **kwargs)
+    with pytest.raises(TypeError, match="source must be a path"):
+        aa.load_safetensors(3)
+
+
+def test_sharding_is_not_supported_yet(tmp_path):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"a": np.zeros(1, np.float32)}, str(path))
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(NotImplementedError, match="sharding= is not supported yet"):
+        aa.load_safetensors(path, sharding=sharding)
+
+
+def test_a_raising_progress_callback_is_logged_and_the_load_goes_on(tmp_path, caplog):
+    arrays = {f"t{i}": np.full(10, i, np.int32) for i in range(4)}
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(arrays, str(path))
+
+    def progress(done, total):
+        raise RuntimeError("bar broke")
+
+    aa.configure(max_workers=1)
+    try:
+        got = aa.materialize(
+            aa.load_safetensors(path, progress=progress, max_bytes_in_flight=40), timeout=30
+        )
+    finally:
+        aa.configure(max_workers=None)
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(np.asarray(got[k]), v)
+    assert "the progress callback raised" in caplog.text
+
+
+def test_progress_true_shows_one_tqdm_bar_on_stderr(tmp_path, capsys):
+    pytest.importorskip("tqdm")
+    arrays = {f"t{i}": np.zeros(1000, np.uint8) for i in range(3)}
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(arrays, str(path))
+    aa.materialize(aa.load_safetensors(path, progress=True), timeout=30)
+    err = capsys.readouterr().err
+    assert "load_safetensors" in err
+    assert "3.00k/3.00k" in err

@@ -1,0 +1,324 @@
+"""aa.load_safetensors over HTTP(S): a local server on 127.0.0.1 started by
+each test, with fault knobs (slow bytes, 5xx then OK, 404, a truncated body,
+a wrong Content-Range or Content-Length, a Range request ignored), coalesced
+requests, multi-file indexes, and HTTPS with a certificate made in the test."""
+
+import json
+import re
+import shutil
+import ssl
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import async_array as aa
+
+RANGE = re.compile(r"bytes=(\d+)-(\d+)$")
+
+
+class FaultServer:
+    """Serves the files of a folder at ``/<name>`` with Range support.
+
+    Knobs (attributes, applied to data requests, those that do not start at
+    byte 0, unless ``fault_header`` is set): ``status_first`` a list of
+    statuses answered (once each) before the real answer; ``status`` a status
+    answered to every request; ``truncate`` bytes of the body sent before the
+    connection closes; ``content_range_shift`` added to the Content-Range
+    start; ``content_length_delta`` added to the Content-Length; ``slow`` sends
+    one byte at a time, waiting on an event the test never sets for up to
+    ``slow`` seconds between bytes; ``ignore_range`` answers 200 with the whole
+    file; ``gate`` an event each request waits for (``gated`` is set when one
+    does). ``requests`` lists every ``(path, start, end)`` asked for.
+    """
+
+    def __init__(self, folder, tls_context=None):
+        self.folder = folder
+        self.status_first: list[int] = []
+        self.status: int | None = None
+        self.truncate: int | None = None
+        self.content_range_shift = 0
+        self.content_length_delta = 0
+        self.slow: float | None = None
+        self.ignore_range = False
+        self.fault_header = False
+        self.gate: threading.Event | None = None
+        self.gated = threading.Event()
+        self.requests: list[tuple[str, int, int]] = []
+        self.lock = threading.Lock()
+        self.closing = threading.Event()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                server.handle(self)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        scheme = "http"
+        if tls_context is not None:
+            self.httpd.socket = tls_context.wrap_socket(self.httpd.socket, server_side=True)
+            scheme = "https"
+        host = "localhost" if tls_context is not None else "127.0.0.1"
+        self.base = f"{scheme}://{host}:{self.httpd.server_address[1]}/"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, name):
+        return self.base + name
+
+    def close(self):
+        self.closing.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def handle(self, h):
+        path = self.folder / h.path.lstrip("/")
+        match = RANGE.match(h.headers.get("Range", ""))
+        if not path.is_file():
+            return self.send(h, 404, b"")
+        data = path.read_bytes()
+        if match is None or self.ignore_range:
+            return self.send(h, 200, data)
+        start, last = int(match.group(1)), int(match.group(2))
+        last = min(last, len(data) - 1)
+        with self.lock:
+            self.requests.append((h.path, start, last + 1))
+            faulty = start > 0 or self.fault_header
+            first = self.status_first.pop(0) if faulty and self.status_first else None
+        if faulty and self.gate is not None:
+            self.gated.set()
+            self.gate.wait(30)
+        if first is not None:
+            return self.send(h, first, b"oops")
+        if faulty and self.status is not None:
+            return self.send(h, self.status, b"oops")
+        body = data[start : last + 1]
+        shift = self.content_range_shift if faulty else 0
+        h.send_response(206)
+        h.send_header("Content-Range", f"bytes {start + shift}-{last + shift}/{len(data)}")
+        delta = self.content_length_delta if faulty else 0
+        h.send_header("Content-Length", str(len(body) + delta))
+        h.end_headers()
+        try:
+            if faulty and self.truncate is not None:
+                h.wfile.write(body[: self.truncate])
+                h.wfile.flush()
+                h.close_connection = True
+                return
+            if faulty and self.slow is not None:
+                for i in range(len(body)):
+                    h.wfile.write(body[i : i + 1])
+                    h.wfile.flush()
+                    if self.closing.wait(self.slow):
+                        return
+                return
+            h.wfile.write(body)
+        except OSError:  # the client gave up
+            h.close_connection = True
+
+    def send(self, h, status, body):
+        h.send_response(status)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+
+@pytest.fixture
+def weights(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = {f"small.{i:02d}": rng.standard_normal((8, 4)).astype(np.float32) for i in range(20)}
+    arrays["big"] = rng.standard_normal((600, 600)).astype(np.float32)  # 1.4 MB: its own request
+    arrays["ids"] = np.arange(7, dtype=np.int32)
+    arrays["half"] = rng.standard_normal((5, 3)).astype(np.float16)
+    safetensors.numpy.save_file(arrays, str(tmp_path / "model.safetensors"))
+    return arrays
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = FaultServer(tmp_path)
+    yield srv
+    srv.close()
+
+
+def check(got, arrays):
+    assert set(got) == set(arrays)
+    for k, v in arrays.items():
+        out = np.asarray(got[k])
+        assert out.dtype == v.dtype, k
+        assert out.tobytes() == v.tobytes(), k
+
+
+def test_loads_bit_exact_with_small_tensors_coalesced(server, weights):
+    tree = aa.load_safetensors(server.url("model.safetensors"), timeout=30)
+    check(aa.materialize(tree, timeout=60), weights)
+    with server.lock:
+        data_requests = [r for r in server.requests if r[1] > 0]
+    # 22 small tensors (under 1 MiB, side by side) share requests; "big" has its own.
+    assert len(data_requests) < 5, data_requests
+    assert len(server.requests) == len(data_requests) + 1  # one request for the header
+
+
+def test_like_over_http_returns_at_once(server, weights):
+    like = {"small": {"03": jax.ShapeDtypeStruct((8, 4), np.float32)}}
+    tree = aa.load_safetensors(server.url("model.safetensors"), like=like, timeout=30)
+    np.testing.assert_array_equal(
+        np.asarray(tree["small"]["03"].result(timeout=30)), weights["small.03"]
+    )
+
+
+def test_reads_wait_without_the_gil(server, weights):
+    """While every read is stuck in the core (the server holds the answers),
+    Python runs: this thread, and pool tasks beside the reads."""
+    server.gate = threading.Event()
+    try:
+        tree = aa.load_safetensors(server.url("model.safetensors"), timeout=30)
+        assert server.gated.wait(30), "no read reached the server"
+        assert not tree["big"].done()
+        other = aa.async_wrap(lambda: np.arange(3), shape=(3,), dtype=np.int32)
+        np.testing.assert_array_equal(np.asarray(other.result(timeout=30)), [0, 1, 2])
+        assert not tree["big"].done()  # still held
+    finally:
+        server.gate.set()
+    check(aa.materialize(tree, timeout=60), weights)
+
+
+def test_5xx_is_retried_then_succeeds(server, weights):
+    server.status_first = [503, 500]
+    tree = aa.load_safetensors(server.url("model.safetensors"), timeout=30, retries=3)
+    check(aa.materialize(tree, timeout=60), weights)
+
+
+BIG = {"big": jax.ShapeDtypeStruct((600, 600), np.float32)}
+BIG_BYTES = r'tensor "big" \(bytes \[\d+, \d+\)\)'
+
+
+def test_5xx_beyond_the_retries_fails_naming_url_and_bytes(server, weights):
+    server.status = 503
+    tree = aa.load_safetensors(server.url("model.safetensors"), like=BIG, timeout=30, retries=1)
+    message = rf"model\.safetensors: {BIG_BYTES}: HTTP 503 \(server error\) \(after 2 attempts\)"
+    with pytest.raises(OSError, match=message):
+        tree["big"].result(timeout=30)
+
+
+def test_404_raises_file_not_found_at_the_call(server, weights):
+    with pytest.raises(FileNotFoundError, match=r"nope\.safetensors: header .*HTTP 404"):
+        aa.load_safetensors(server.url("nope.safetensors"), timeout=30)
+
+
+def test_truncated_body_fails_its_leaf(server, weights):
+    server.truncate = 100
+    tree = aa.load_safetensors(server.url("model.safetensors"), like=BIG, timeout=30, retries=0)
+    with pytest.raises(OSError, match=rf"{BIG_BYTES}: truncated body: 100 of 1440000 bytes"):
+        tree["big"].result(timeout=30)
+
+
+def test_wrong_content_range_fails(server, weights):
+    server.content_range_shift = 1
+    tree = aa.load_safetensors(server.url("model.safetensors"), like=BIG, timeout=30)
+    with pytest.raises(OSError, match=r"tensor \"big\" .*wrong Content-Range"):
+        tree["big"].result(timeout=30)
+
+
+def test_wrong_content_length_fails(server, weights):
+    server.content_length_delta = -1
+    tree = aa.load_safetensors(server.url("model.safetensors"), like=BIG, timeout=30)
+    with pytest.raises(OSError, match=r"tensor \"big\" .*wrong Content-Length"):
+        tree["big"].result(timeout=30)
+
+
+def test_a_server_ignoring_range_fails_clearly(server, weights):
+    server.ignore_range = True
+    with pytest.raises(OSError, match="ignored the Range request"):
+        aa.load_safetensors(server.url("model.safetensors"), timeout=30)
+
+
+def test_slow_bytes_fail_within_the_timeout(server, weights):
+    # One byte every 0.2 s: no single read stalls, the whole request does.
+    server.slow = 0.2
+    like = {"ids": jax.ShapeDtypeStruct((7,), np.int32)}
+    tree = aa.load_safetensors(server.url("model.safetensors"), like=like, timeout=1)
+    with pytest.raises(TimeoutError, match=r"tensor \"ids\" .*not finished within the 1(\.0)? s"):
+        tree["ids"].result(timeout=30)
+
+
+def test_malformed_header_over_http(server, tmp_path):
+    (tmp_path / "bad.safetensors").write_bytes((3_000_000_000).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match=r"bad\.safetensors: header length 3000000000"):
+        aa.load_safetensors(server.url("bad.safetensors"), timeout=30)
+
+
+def write_index(folder, arrays):
+    names = sorted(arrays)
+    half = len(names) // 2
+    parts = {"model-1.safetensors": names[:half], "model-2.safetensors": names[half:]}
+    weight_map = {}
+    for file, keys in parts.items():
+        safetensors.numpy.save_file({k: arrays[k] for k in keys}, str(folder / file))
+        weight_map.update(dict.fromkeys(keys, file))
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_index_of_several_files_over_http(server, weights, tmp_path):
+    write_index(tmp_path, weights)
+    tree = aa.load_safetensors(server.url("model.safetensors.index.json"), timeout=30)
+    check(aa.materialize(tree, timeout=60), weights)
+    with server.lock:
+        paths = {p for p, _, _ in server.requests}
+    assert paths == {
+        "/model.safetensors.index.json",
+        "/model-1.safetensors",
+        "/model-2.safetensors",
+    }
+
+
+def test_index_of_several_local_files_with_like(weights, tmp_path):
+    write_index(tmp_path, weights)
+    like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in weights.items()}
+    tree = aa.load_safetensors(tmp_path / "model.safetensors.index.json", like=like)
+    check(aa.materialize(tree, timeout=60), weights)
+
+
+def test_an_index_naming_a_tensor_its_file_lacks(weights, tmp_path):
+    write_index(tmp_path, weights)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["ghost"] = "model-1.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(KeyError, match=r"tensor 'ghost' in .*model-1\.safetensors, which lacks it"):
+        aa.load_safetensors(tmp_path / "model.safetensors.index.json")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_https_with_a_self_signed_certificate(tmp_path, weights, monkeypatch):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+         "-addext", "basicConstraints=critical,CA:FALSE",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    srv = FaultServer(tmp_path, tls_context=context)
+    try:
+        url = srv.url("model.safetensors")
+        # Not trusted by default: a clear TLS error.
+        monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+        with pytest.raises(OSError, match=r"model\.safetensors: header .*certificate"):
+            aa.load_safetensors(url, timeout=30, retries=0)
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        check(aa.materialize(aa.load_safetensors(url, timeout=30), timeout=60), weights)
+    finally:
+        srv.close()
