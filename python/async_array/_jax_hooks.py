@@ -309,15 +309,61 @@ def put_host(host: np.ndarray, aval: Any, sharding: Any, committed: bool, alias:
     """
     if _xc_batched is None:
         return _public_put(host if alias else np.array(host, copy=True), aval, sharding, committed)
-    put, zero_copy, copy_during_call = _xc_batched
     devices, indices = _placement(sharding, aval.shape)
     if indices is None:
-        shards = [host] * len(devices)
-    else:
-        shards = [host[i] for i in indices]
-        alias = False
+        return put_shards([host] * len(devices), devices, aval, sharding, committed, alias)
+    views: dict[tuple[Any, ...], np.ndarray] = {}
+    shards = [views.setdefault(index_key(i), host[i]) for i in indices]  # one per index
+    return put_shards(shards, devices, aval, sharding, committed, False)
+
+
+def index_key(index: tuple[slice, ...]) -> tuple[Any, ...]:
+    """A hashable key of a shard index (slices hash only from Python 3.12)."""
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def put_shards(
+    shards: list[np.ndarray],
+    devices: list[Any],
+    aval: Any,
+    sharding: Any,
+    committed: bool,
+    alias: bool,
+) -> jax.Array:
+    """One ``jax.Array`` from host shards: ``shards[k]`` (of the leaf's dtype,
+    its index's shape) goes to ``devices[k]``; the same shard may go to
+    several devices (a partially replicated sharding).
+
+    ``alias=True``: the shards are memory nothing else will write (XLA's CPU
+    client may use it in place); otherwise each is copied during the call.
+    """
+    if _xc_batched is None:
+        arrays = [
+            jax.device_put(shard if alias else np.array(shard, copy=True), d, may_alias=True)
+            for shard, d in zip(shards, devices, strict=True)
+        ]
+        if len(arrays) == 1 and len(sharding.device_set) == 1 and not committed:
+            return _public_put(np.asarray(arrays[0]), aval, sharding, committed)
+        return jax.make_array_from_single_device_arrays(aval.shape, sharding, arrays)
+    put, zero_copy, copy_during_call = _xc_batched
+    repeated = len({id(x) for x in shards}) < len(shards)
+    if not alias and repeated and not sharding.is_fully_replicated:
+        # jaxlib's copy-during-call put fails with "bad_function_call" when
+        # two devices of a partially replicated sharding get the same index:
+        # copy each distinct shard once into memory of our own, then alias it.
+        copies: dict[int, np.ndarray] = {}
+        shards = [copies.setdefault(id(x), _own_copy(x)) for x in shards]
+        alias = True
     semantics = zero_copy if alias else copy_during_call
     return put(aval, sharding, shards, devices, committed, False, semantics)
+
+
+def _own_copy(x: np.ndarray) -> np.ndarray:
+    from ._buffer import aligned_array
+
+    out = aligned_array(x.shape, x.dtype)
+    np.copyto(out, x)
+    return out
 
 
 def put_dlpack(buf: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array:

@@ -42,7 +42,8 @@ def _one_source_a_leaf(specs: LeafSpecs, futures: list[_core.Future]) -> list[As
             Source(future, name, 1, key_paths, i),
             0,
             avals[i],
-            shardings[i] if committed[i] else None,
+            shardings[i],
+            committed[i],
         )
         for i, future in enumerate(futures)
     ]

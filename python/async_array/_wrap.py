@@ -26,7 +26,7 @@ def _leaves_for(specs: LeafSpecs, future: _core.Future) -> Any:
     """The ``AsyncArray`` leaves of one call, in the shape of ``like``."""
     source = Source(future, specs.name, len(specs.avals), specs.key_path)
     leaves = [
-        AsyncArray(source, i, aval, sharding if committed else None)
+        AsyncArray(source, i, aval, sharding, committed)
         for i, (aval, sharding, committed) in enumerate(
             zip(specs.avals, specs.shardings, specs.committed, strict=True)
         )
