@@ -14,6 +14,7 @@ from ._jax_hooks import active as jax_hooks_active
 from ._jit import jit
 from ._map import async_map, async_stream
 from ._pool import configure, max_workers
+from ._shards import make_array_from_callback
 from ._tree import (
     ALL_COMPLETED,
     FIRST_COMPLETED,
@@ -50,6 +51,7 @@ __all__ = [
     "future",
     "jax_hooks_active",
     "jit",
+    "make_array_from_callback",
     "materialize",
     "max_workers",
     "wait",
