@@ -258,7 +258,9 @@ def _check_sharding(sharding: Sharding, aval: Any, where: str) -> None:
             lambda x: jax.device_put(x, sharding), jax.ShapeDtypeStruct(aval.shape, aval.dtype)
         )
     except (ValueError, TypeError) as exc:
-        raise type(exc)(f"{where}: {exc}") from None
+        # Newer JAX ends with the source line of the call: ours, so dropped.
+        text = str(exc).split(" This error occurs at source:")[0]
+        raise type(exc)(f"{where}: {text}") from None
     except Exception as exc:
         cheap = exc
     raise ValueError(f"{where}: sharding {sharding} does not fit shape {aval.shape}: {cheap}")
