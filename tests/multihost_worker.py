@@ -136,5 +136,36 @@ out["default"] = {
     "plus_one": np.asarray(jnp.asarray(value) + 1).tolist(),
 }
 
+# 4. Program order: two runs of one program over every process whose inputs arrive in
+# opposite orders (on even processes p first, on odd ones q first) launch in
+# call order everywhere, as plain jax.jit would; out of order their
+# collectives would pair wrongly.
+arrived = {"p": threading.Event(), "q": threading.Event()}
+order_reader = Reader()
+
+
+def load(name: str, leaf: int):
+    waits_for = ("p" if name == "q" else None) if PID % 2 == 0 else ("q" if name == "p" else None)
+
+    def callback(index):
+        if waits_for is not None:
+            assert arrived[waits_for].wait(WAIT), f"{waits_for} never arrived"
+        return order_reader.read(leaf, index)
+
+    return callback
+
+
+replicated = NamedSharding(mesh1, PartitionSpec())
+sum_all = aa.jit(jnp.sum, out_shardings=replicated)
+# Compiled beforehand (x has p's and q's shape and sharding), so that the
+# order in which inputs arrive is what would decide the launch order.
+aa.materialize(sum_all(x), timeout=WAIT)
+p = aa.make_array_from_callback((ROWS, COLS), rows, load("p", 0), dtype=np.float32)
+q = aa.make_array_from_callback((ROWS, COLS), rows, load("q", 1), dtype=np.float32)
+p.add_done_callback(lambda _: arrived["p"].set())
+q.add_done_callback(lambda _: arrived["q"].set())
+first, second = sum_all(p), sum_all(q)
+out["order"] = [float(first.result(WAIT)), float(second.result(WAIT))]
+
 print("RESULT " + json.dumps(out), flush=True)
 jax.distributed.shutdown()

@@ -56,6 +56,9 @@ def _run(tmp_path, n):
         plain = r["default"]
         assert plain["device"] == devices[0] and not plain["committed"]
         assert plain["plus_one"] == [1.0, 2.0, 3.0, 4.0]
+
+        # aa.jit in program order although inputs arrived in opposite orders.
+        assert r["order"] == pytest.approx([float(data[0].sum()), float(data[1].sum())])
     return results
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -54,9 +55,45 @@ def _cancel_waiting_at_exit() -> None:
     for call in calls:
         call.leaves = None
         call.out.cancel()
+        _mark_launched(call)
 
 
 exit_hooks.append(_cancel_waiting_at_exit)
+
+# Program order. Calls launch (hand their program to JAX's dispatch) out of
+# call order only where that cannot change a result: a call that donates
+# launches after every earlier call (one of them may read what it donates),
+# and calls with an input or output on another process's devices launch in
+# call order (collectives pair by launch order across processes). Each entry
+# is a call's `launched` future, by call number, until it launches.
+_order_lock = threading.Lock()
+_unlaunched: dict[int, _core.Future] = {}
+_call_numbers = itertools.count()
+_last_spanning: list[_core.Future] = []  # the latest call spanning processes, if unlaunched
+
+
+def _order(call: _Call, donates: bool, spans: bool) -> list[_core.Future]:
+    """Numbers ``call`` and returns the ``launched`` futures of the earlier
+    calls it must launch after."""
+    launched = call.launched
+    with _order_lock:
+        call.number = next(_call_numbers)
+        if donates:
+            before = list(_unlaunched.values())
+        else:
+            before = [f for f in _last_spanning if spans and not f.done()]
+        if spans:
+            _last_spanning[:] = [launched]
+        _unlaunched[call.number] = launched
+    return before
+
+
+def _mark_launched(call: _Call) -> None:
+    """``call``'s program is handed to JAX (or never will be): later calls
+    ordered after it may launch."""
+    with _order_lock:
+        _unlaunched.pop(call.number, None)
+    call.launched.set_result(None)
 
 
 def _index_tuple(value: Any) -> tuple[int, ...]:
@@ -189,7 +226,9 @@ class _Call:
         "compiling",
         "dyn_pos",
         "in_tree",
+        "launched",
         "leaves",
+        "number",
         "out",
         "out_avals",
         "out_shardings",
@@ -212,6 +251,8 @@ class _Call:
         self.specs = specs
         self.leaves: list[Any] | None = leaves
         self.out = _core.Future()
+        self.launched = _core.Future()  # set once the program is handed to JAX
+        self.number = -1
         self.compiling: _Compile | None = None
         self.out_tree: Any = None
         self.out_avals: list[Any] = []
@@ -265,6 +306,7 @@ def _launch(call: _Call) -> None:
     out = call.out
     if out.done():  # cancelled by the caller, or at exit: nothing to run
         call.leaves = None
+        _mark_launched(call)
         return
     jax_work.enter()
     try:
@@ -273,16 +315,18 @@ def _launch(call: _Call) -> None:
         jax_work.leave()
         call.leaves = None
         out.set_exception(exc)
+        _mark_launched(call)
         return
-    task.add_done_callback(functools.partial(_task_ended, [out]))
+    task.add_done_callback(functools.partial(_task_ended, [out], call))
 
 
-def _task_ended(holder: list[_core.Future], task: _core.Future) -> None:
+def _task_ended(holder: list[_core.Future], call: _Call, task: _core.Future) -> None:
     # _execute completes the output future itself; this covers a task
     # cancelled at interpreter exit, so that no output waits forever. The
     # output (and the arrays it holds) comes in a list emptied here, so that
     # it is never freed after jax_work.leave(), when the interpreter may be exiting.
     out = holder.pop()
+    _mark_launched(call)  # normally already, by _execute
     try:
         if out.done():
             return
@@ -297,7 +341,15 @@ def _task_ended(holder: list[_core.Future], task: _core.Future) -> None:
 
 
 def _execute(call: _Call) -> None:
-    """Runs on the pool once the compilation and every input are done."""
+    """Runs on the pool once the compilation and every input are done, and
+    every earlier call it is ordered after has launched."""
+    try:
+        _execute_in_order(call)
+    finally:
+        _mark_launched(call)
+
+
+def _execute_in_order(call: _Call) -> None:
     out, values, name = call.out, call.leaves, call.owner._name
     call.leaves = None  # a donated or large input is held only as long as needed
     if out.done() or values is None:
@@ -357,6 +409,10 @@ class JitFunction:
         )
         self._in_devices = _in_shardings_devices(jit_kwargs.get("in_shardings"))
         self._out_shardings_given = jit_kwargs.get("out_shardings") is not None
+        self._donates = bool(
+            jit_kwargs.get("donate_argnums") not in (None, (), [])
+            or jit_kwargs.get("donate_argnames") not in (None, (), [])
+        )
         self._pos_names: list[str] = []
         self._var_pos: str | None = None
         if sig is not None:
@@ -595,7 +651,13 @@ class JitFunction:
         ]
         compiling = call.compiling
         assert compiling is not None and call.leaves is not None
-        subscribes: list[Callable[[Callable[..., None]], None]] = []
+        spans = any(
+            s is not None and not s.is_fully_addressable
+            for s in [*(spec[3] for spec in call.specs), *call.out_shardings]
+        )
+        subscribes: list[Callable[[Callable[..., None]], None]] = [
+            f.add_done_callback for f in _order(call, self._donates, spans)
+        ]
         if not compiling.done():
             subscribes.append(compiling.on_done)
         inputs = [leaf for leaf in call.leaves if type(leaf) is AsyncArray]
