@@ -167,5 +167,22 @@ q.add_done_callback(lambda _: arrived["q"].set())
 first, second = sum_all(p), sum_all(q)
 out["order"] = [float(first.result(WAIT)), float(second.result(WAIT))]
 
+
+# 5. One process fails: the last one's callback raises. There it raises at
+# once; every other process's program over the same global array raises,
+# naming that process and leaf, instead of hanging in a collective.
+def flaky(index):
+    if PID == N - 1:
+        raise KeyError("shard lost on purpose")
+    return order_reader.read(0, index)
+
+
+lost = aa.make_array_from_callback((ROWS, COLS), rows, flaky, dtype=np.float32)
+try:
+    sum_all(lost).result(WAIT)
+    out["failure"] = None
+except Exception as exc:
+    out["failure"] = {"type": type(exc).__name__, "message": str(exc)}
+
 print("RESULT " + json.dumps(out), flush=True)
 jax.distributed.shutdown()

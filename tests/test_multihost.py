@@ -11,6 +11,10 @@ import numpy as np
 import pytest
 from multihost import run_job, write_data
 
+# Telling other processes of a failure needs jax.distributed's key-value
+# store, found through a private name (async_array/_jax_hooks.py).
+pytestmark = pytest.mark.needs_jax_hooks
+
 ROWS, COLS = 16, 8  # as in multihost_worker.py
 LOCAL = 2
 LEAF_BYTES = ROWS * COLS * 4
@@ -59,6 +63,18 @@ def _run(tmp_path, n):
 
         # aa.jit in program order although inputs arrived in opposite orders.
         assert r["order"] == pytest.approx([float(data[0].sum()), float(data[1].sum())])
+
+        # One process failing: it raises its own error; the others raise
+        # one that names it and the leaf (the job ended, so nobody hung).
+        failure = r["failure"]
+        assert failure is not None
+        if r["process"] == n - 1:
+            assert failure["type"] == "KeyError"
+        else:
+            assert failure["type"] == "RemoteFailure", failure
+            assert f"process {n - 1}" in failure["message"]
+            assert "make_array_from_callback(flaky)" in failure["message"]
+            assert "shard lost on purpose" in failure["message"]
     return results
 
 

@@ -52,6 +52,7 @@ HOOKS: dict[str, tuple[str, bool]] = {
     "dlpack_managed_tensor_to_buffer": ("the zero-copy HostBuffer hand-off", False),
     "array.ArrayImpl": ("building a jax.Array from a DLPack buffer", False),
     "pxla.batched_device_put": ("re-labelling a loader's jax.Array", False),
+    "distributed.global_state": ("telling other jax.distributed processes of a failure", False),
 }
 
 #: Why each hook is not in use, by name; empty when all are.
@@ -214,6 +215,20 @@ _pxla_put = _find(
     lambda: _module("interpreters.pxla").batched_device_put,
     lambda f: takes(f, 5),
 )
+_distributed = _find(
+    "distributed.global_state",
+    lambda: _module("distributed").global_state,
+    lambda g: hasattr(g, "client"),
+)
+
+
+def distributed_client() -> Any:
+    """The key-value store client of ``jax.distributed`` (``key_value_set``,
+    ``blocking_key_value_get``, ``key_value_dir_get``), or None when this is
+    not a multi-process job or the hook is missing."""
+    return None if _distributed is None else _distributed.client
+
+
 #: The hooks ``jax.jit`` needs that are missing, by name.
 MISSING_JIT = [name for name, (_, needed) in HOOKS.items() if needed and name in MISSING]
 

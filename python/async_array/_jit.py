@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _core, _jax_hooks
+from . import _core, _jax_hooks, _multiprocess
 from ._array import AsyncArray, source_of
 from ._errors import frames_freed, free_frames, noted
 from ._pool import exit_hooks, jax_work
@@ -234,6 +234,8 @@ class _Call:
         "out_shardings",
         "out_tree",
         "owner",
+        "span_number",
+        "spanning_inputs",
         "specs",
     )
 
@@ -253,6 +255,8 @@ class _Call:
         self.out = _core.Future()
         self.launched = _core.Future()  # set once the program is handed to JAX
         self.number = -1
+        self.span_number = -1  # among calls spanning processes, if this is one
+        self.spanning_inputs: list[tuple[int, int]] = []  # (global leaf number, input index)
         self.compiling: _Compile | None = None
         self.out_tree: Any = None
         self.out_avals: list[Any] = []
@@ -358,6 +362,7 @@ def _execute_in_order(call: _Call) -> None:
     try:
         compiled = call.compiling.future.result(0)
     except BaseException as exc:
+        _tell_others(call, f"compiling failed: {_multiprocess.describe(exc)}")
         out.set_exception(
             noted(exc, f"async_array: compiling {name} for ({call.inputs_text()}) failed")
         )
@@ -367,10 +372,22 @@ def _execute_in_order(call: _Call) -> None:
             try:
                 values[i] = value.result()
             except BaseException as exc:
+                _tell_others(call, f"input {call.in_path(i)} failed: {_multiprocess.describe(exc)}")
                 out.set_exception(
                     noted(exc, f"async_array: input {call.in_path(i)} of {name} failed")
                 )
                 return
+    if call.span_number >= 0:
+        try:
+            _multiprocess.agree(
+                call.span_number,
+                None,
+                [(n, call.in_path(i)) for n, i in call.spanning_inputs],
+                name,
+            )
+        except BaseException as exc:
+            out.set_exception(exc)
+            return
     try:
         result = _run(compiled, call.in_tree, values)
     except BaseException as exc:
@@ -379,6 +396,20 @@ def _execute_in_order(call: _Call) -> None:
         out.set_exception(exc)
         return
     out.set_result(call.out_tree.flatten_up_to(result))
+
+
+def _tell_others(call: _Call, why: str) -> None:
+    """A call spanning processes that will not run here: says so to the
+    other processes, so that they raise instead of waiting in a collective."""
+    if call.span_number < 0:
+        return
+    me = jax.process_index()
+    try:
+        _multiprocess.agree(
+            call.span_number, f"{call.owner._name} failed on process {me}: {why}", [], ""
+        )
+    except Exception:  # the store is gone: nothing to tell
+        _LOG.debug("async_array: could not tell the other processes", exc_info=True)
 
 
 def _run(compiled: Any, in_tree: Any, values: list[Any]) -> Any:
@@ -658,6 +689,14 @@ class JitFunction:
         subscribes: list[Callable[[Callable[..., None]], None]] = [
             f.add_done_callback for f in _order(call, self._donates, spans)
         ]
+        if spans and _multiprocess.client() is not None:
+            call.span_number = _multiprocess.next_call_number()
+            for i, leaf in enumerate(call.leaves):
+                if type(leaf) is AsyncArray:
+                    source = source_of(leaf)
+                    ids = None if source is None else source.global_ids
+                    if ids is not None and ids[leaf._index] >= 0:
+                        call.spanning_inputs.append((ids[leaf._index], i))
         if not compiling.done():
             subscribes.append(compiling.on_done)
         inputs = [leaf for leaf in call.leaves if type(leaf) is AsyncArray]

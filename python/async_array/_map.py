@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from . import _core
+from . import _core, _multiprocess
 from ._array import AsyncArray
 from ._convert import convert_one
 from ._errors import frames_freed, free_frames, shallow_copy
@@ -38,7 +38,7 @@ def _one_source_a_leaf(specs: LeafSpecs, futures: list[_core.Future]) -> list[As
     # (a closure per leaf would cost 200 bytes a pending leaf).
     key_paths = specs.key_path
     name, avals, shardings, committed = specs.name, specs.avals, specs.shardings, specs.committed
-    return [
+    leaves = [
         AsyncArray(
             Source(future, name, 1, key_paths, i),
             0,
@@ -48,6 +48,9 @@ def _one_source_a_leaf(specs: LeafSpecs, futures: list[_core.Future]) -> list[As
         )
         for i, future in enumerate(futures)
     ]
+    if leaves:
+        _multiprocess.track(specs, [leaf._source for leaf in leaves])
+    return leaves
 
 
 def _run_leaf(fn: Callable[[Any, Any], Any], path: Any, spec: Any, specs: LeafSpecs, i: int):

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _core, _jax_hooks
+from . import _core, _jax_hooks, _multiprocess
 from ._array import AsyncArray
 from ._buffer import aligned_array
 from ._convert import _check_cast, _copy_checked, _host_array, invalid
@@ -233,7 +233,7 @@ def submit_per_shard(
         task.add_done_callback(lambda t, s=state: _cancel_leaf_if_cancelled(s, t))
     key_paths = specs.key_path
     name = specs.name
-    return [
+    leaves = [
         AsyncArray(
             Source(state.future, name, 1, key_paths, i),
             0,
@@ -243,6 +243,9 @@ def submit_per_shard(
         )
         for i, state in enumerate(states)
     ]
+    if leaves:
+        _multiprocess.track(specs, [leaf._source for leaf in leaves])
+    return leaves
 
 
 def _callback_of(data_callback: Callable[[Any], Any]) -> Callable[..., Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _core
+from . import _core, _multiprocess
 from ._array import AsyncArray
 from ._convert import convert_results
 from ._errors import frames_freed
@@ -25,6 +25,7 @@ def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
 def _leaves_for(specs: LeafSpecs, future: _core.Future) -> Any:
     """The ``AsyncArray`` leaves of one call, in the shape of ``like``."""
     source = Source(future, specs.name, len(specs.avals), specs.key_path)
+    _multiprocess.track(specs, [source])
     leaves = [
         AsyncArray(source, i, aval, sharding, committed)
         for i, (aval, sharding, committed) in enumerate(
