@@ -30,6 +30,7 @@ comma-separated list of the names in :data:`HOOKS` turns those off.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
@@ -307,12 +308,19 @@ def _placement(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Any], list[A
 def _public_put(x: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array:
     """``jax.device_put`` on a pool thread, as the caller's call would place it:
     a 64-bit leaf stays 64-bit though the caller's ``jax.enable_x64`` context
-    (thread-local) is not active here; uncommitted lands uncommitted."""
-    target = sharding if committed else None
-    if aval.dtype in _X64_DTYPES:
-        with jax.enable_x64(True):
-            return jax.device_put(x, target, may_alias=True)
-    return jax.device_put(x, target, may_alias=True)
+    (thread-local) is not active here; uncommitted lands uncommitted, on the
+    leaf's device (the caller's ``jax.default_device``, also thread-local)."""
+    if committed:
+        target = sharding
+        place = contextlib.nullcontext()
+    else:
+        target = None
+        place = jax.default_device(next(iter(sharding.device_set)))
+    with place:
+        if aval.dtype in _X64_DTYPES:
+            with jax.enable_x64(True):
+                return jax.device_put(x, target, may_alias=True)
+        return jax.device_put(x, target, may_alias=True)
 
 
 def put_host(host: np.ndarray, aval: Any, sharding: Any, committed: bool, alias: bool) -> jax.Array:
@@ -390,7 +398,10 @@ def put_dlpack(buf: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array
     """
     if _dlpack is None or _ArrayImpl is None:
         if committed:
-            return jax.dlpack.from_dlpack(buf, next(iter(sharding.device_set)), copy=False)
+            try:
+                return jax.dlpack.from_dlpack(buf, next(iter(sharding.device_set)), copy=False)
+            except ValueError:  # a CPU device other than the one DLPack's memory is on
+                return _public_put(np.asarray(buf), aval, sharding, committed)
         # jax.dlpack.from_dlpack commits; device_put without a target does not,
         # and aliases the aligned memory (the buffer refuses writers from now on).
         return _public_put(np.asarray(buf), aval, sharding, committed)
