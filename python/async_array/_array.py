@@ -42,8 +42,8 @@ class AsyncArray(jax.Array):
     indexing, iteration and every other ``jax.Array`` method, which are
     forwarded to the result.
 
-    Not constructed directly: ``async_wrap``, ``async_map``, ``async_stream``
-    and ``aa.jit`` make them.
+    Not constructed directly: ``async_wrap``, ``async_map``, ``async_stream``,
+    ``make_array_from_callback`` and ``aa.jit`` make them.
     """
 
     __slots__ = (
