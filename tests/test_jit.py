@@ -654,3 +654,52 @@ def test_a_compile_and_its_run_never_wait_behind_loads(pool_size):
     y = aa.jit(lambda v: v * 3)(jnp.arange(4, dtype=jnp.float32))
     np.testing.assert_array_equal(y.result(timeout=WAIT), [0, 3, 6, 9])
     assert not any(leaf.done() for leaf in leaves)
+
+
+def test_a_later_donation_never_deletes_an_earlier_calls_input():
+    """Program order (issue 16 item 5): the earlier call waits for a slow
+    input; the later one, ready at once, donates what the earlier one reads.
+    As with jax.jit, the earlier call sees the value, and the later one runs
+    after it has launched."""
+    add = aa.jit(lambda a, b: a + b)
+    scale = aa.jit(lambda a: a * 10, donate_argnums=0)
+    # Compiled beforehand, so that out of order the donation would run at once.
+    aa.materialize([add(np.zeros(4, np.float32), np.zeros(4, np.float32)), scale(jnp.zeros(4))])
+    x = jnp.arange(4, dtype=np.float32) + 0  # a jax.Array of our own
+    gate, slow = pending(np.ones(4, np.float32))
+    first = add(x, slow)
+    second = scale(x)
+    assert not second.done(), "the donating call waits for the earlier call to launch"
+    # What would delete x out of order has had every chance to: a third call
+    # (no donation, so not ordered) goes through the pool after it.
+    np.testing.assert_array_equal(aa.jit(lambda v: v + 0)(jnp.ones(1)).result(WAIT), [1])
+    assert not x.is_deleted() and not second.done()
+    gate.open()
+    np.testing.assert_array_equal(first.result(WAIT), [1, 2, 3, 4])
+    np.testing.assert_array_equal(second.result(WAIT), [0, 10, 20, 30])
+    assert x.is_deleted()
+
+
+def test_calls_that_need_no_order_still_run_as_inputs_arrive():
+    """Without donation and on one process, a later call whose inputs are
+    ready does not wait for an earlier one still loading (the compile and
+    load overlap is kept)."""
+    gate, slow = pending(np.ones(2, np.float32))
+    first = aa.jit(lambda v: v + 1)(slow)
+    second = aa.jit(lambda v: v * 3)(jnp.arange(2.0))
+    np.testing.assert_array_equal(second.result(WAIT), [0, 3])
+    assert not first.done()
+    gate.open()
+    np.testing.assert_array_equal(first.result(WAIT), [2, 2])
+
+
+def test_a_failed_earlier_call_does_not_block_a_later_donation():
+    gate = Gate(exc=KeyError("lost"))
+    slow = aa.async_wrap(gate, shape=(2,), dtype=np.float32)
+    x = jnp.arange(2.0) + 0
+    first = aa.jit(lambda a, b: a + b)(x, slow)
+    second = aa.jit(lambda a: a * 2, donate_argnums=0)(x)
+    gate.open()
+    with pytest.raises(KeyError):
+        first.result(WAIT)
+    np.testing.assert_array_equal(second.result(WAIT), [0, 2])

@@ -15,6 +15,7 @@ from ._jit import jit
 from ._map import async_map, async_stream
 from ._pool import configure, max_workers
 from ._safetensors import load_safetensors
+from ._shards import make_array_from_callback
 from ._tree import (
     ALL_COMPLETED,
     FIRST_COMPLETED,
@@ -52,6 +53,7 @@ __all__ = [
     "jax_hooks_active",
     "jit",
     "load_safetensors",
+    "make_array_from_callback",
     "materialize",
     "max_workers",
     "wait",

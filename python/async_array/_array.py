@@ -42,8 +42,8 @@ class AsyncArray(jax.Array):
     indexing, iteration and every other ``jax.Array`` method, which are
     forwarded to the result.
 
-    Not constructed directly: ``async_wrap``, ``async_map``, ``async_stream``
-    and ``aa.jit`` make them.
+    Not constructed directly: ``async_wrap``, ``async_map``, ``async_stream``,
+    ``make_array_from_callback`` and ``aa.jit`` make them.
     """
 
     __slots__ = (
@@ -64,12 +64,16 @@ class AsyncArray(jax.Array):
         index: int,
         aval: Any,
         sharding: jax.sharding.Sharding | None,
+        committed: bool | None = None,
     ) -> None:
+        # sharding None: the default device's, read when asked (an aa.jit
+        # output placed where its program puts it). committed None: whether
+        # a sharding is given.
         self._source: Source | None = source
         self._index = index
         self._aval = aval
         self._sharding = sharding
-        self._committed = sharding is not None
+        self._committed = sharding is not None if committed is None else committed
         self._value: jax.Array | None = None
         self._future: LeafFuture | None = None
 
@@ -112,7 +116,8 @@ class AsyncArray(jax.Array):
 
     @property
     def sharding(self) -> jax.sharding.Sharding:
-        """The requested sharding, or the default device's when none was asked."""
+        """The requested sharding; when none was asked, the default device's
+        at the call that made the leaf (``jax.default_device`` honoured)."""
         return self._sharding if self._sharding is not None else default_sharding()
 
     @property

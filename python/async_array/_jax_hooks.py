@@ -36,6 +36,7 @@ comma-separated list of the names in :data:`HOOKS` turns those off.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, MutableMapping
@@ -70,6 +71,7 @@ HOOKS: dict[str, tuple[str, bool]] = {
         "AsyncArray shards for jax.make_array_from_single_device_arrays",
         False,
     ),
+    "distributed.global_state": ("telling other jax.distributed processes of a failure", False),
 }
 
 #: Why each hook is not in use, by name; empty when all are.
@@ -259,6 +261,20 @@ _single_arrays = _find(
     "array.make_array_from_single_device_arrays", _single_device_arrays, lambda f: takes(f, 3)
 )
 
+_distributed = _find(
+    "distributed.global_state",
+    lambda: _module("distributed").global_state,
+    lambda g: hasattr(g, "client"),
+)
+
+
+def distributed_client() -> Any:
+    """The key-value store client of ``jax.distributed`` (``key_value_set``,
+    ``blocking_key_value_get``, ``key_value_dir_get``), or None when this is
+    not a multi-process job or the hook is missing."""
+    return None if _distributed is None else _distributed.client
+
+
 #: The hooks ``jax.jit`` needs that are missing, by name.
 MISSING_JIT = [name for name, (_, needed) in HOOKS.items() if needed and name in MISSING]
 
@@ -382,12 +398,19 @@ def _placement(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Any], list[A
 def _public_put(x: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array:
     """``jax.device_put`` on a pool thread, as the caller's call would place it:
     a 64-bit leaf stays 64-bit though the caller's ``jax.enable_x64`` context
-    (thread-local) is not active here; uncommitted lands uncommitted."""
-    target = sharding if committed else None
-    if aval.dtype in _X64_DTYPES:
-        with jax.enable_x64(True):
-            return jax.device_put(x, target, may_alias=True)
-    return jax.device_put(x, target, may_alias=True)
+    (thread-local) is not active here; uncommitted lands uncommitted, on the
+    leaf's device (the caller's ``jax.default_device``, also thread-local)."""
+    if committed:
+        target = sharding
+        place = contextlib.nullcontext()
+    else:
+        target = None
+        place = jax.default_device(next(iter(sharding.device_set)))
+    with place:
+        if aval.dtype in _X64_DTYPES:
+            with jax.enable_x64(True):
+                return jax.device_put(x, target, may_alias=True)
+        return jax.device_put(x, target, may_alias=True)
 
 
 def put_host(host: np.ndarray, aval: Any, sharding: Any, committed: bool, alias: bool) -> jax.Array:
@@ -399,15 +422,61 @@ def put_host(host: np.ndarray, aval: Any, sharding: Any, committed: bool, alias:
     """
     if _xc_batched is None:
         return _public_put(host if alias else np.array(host, copy=True), aval, sharding, committed)
-    put, zero_copy, copy_during_call = _xc_batched
     devices, indices = _placement(sharding, aval.shape)
     if indices is None:
-        shards = [host] * len(devices)
-    else:
-        shards = [host[i] for i in indices]
-        alias = False
+        return put_shards([host] * len(devices), devices, aval, sharding, committed, alias)
+    views: dict[tuple[Any, ...], np.ndarray] = {}
+    shards = [views.setdefault(index_key(i), host[i]) for i in indices]  # one per index
+    return put_shards(shards, devices, aval, sharding, committed, False)
+
+
+def index_key(index: tuple[slice, ...]) -> tuple[Any, ...]:
+    """A hashable key of a shard index (slices hash only from Python 3.12)."""
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def put_shards(
+    shards: list[np.ndarray],
+    devices: list[Any],
+    aval: Any,
+    sharding: Any,
+    committed: bool,
+    alias: bool,
+) -> jax.Array:
+    """One ``jax.Array`` from host shards: ``shards[k]`` (of the leaf's dtype,
+    its index's shape) goes to ``devices[k]``; the same shard may go to
+    several devices (a partially replicated sharding).
+
+    ``alias=True``: the shards are memory nothing else will write (XLA's CPU
+    client may use it in place); otherwise each is copied during the call.
+    """
+    if _xc_batched is None:
+        arrays = [
+            jax.device_put(shard if alias else np.array(shard, copy=True), d, may_alias=True)
+            for shard, d in zip(shards, devices, strict=True)
+        ]
+        if len(arrays) == 1 and len(sharding.device_set) == 1 and not committed:
+            return _public_put(np.asarray(arrays[0]), aval, sharding, committed)
+        return jax.make_array_from_single_device_arrays(aval.shape, sharding, arrays)
+    put, zero_copy, copy_during_call = _xc_batched
+    repeated = len({id(x) for x in shards}) < len(shards)
+    if not alias and repeated and not sharding.is_fully_replicated:
+        # jaxlib's copy-during-call put fails with "bad_function_call" when
+        # two devices of a partially replicated sharding get the same index:
+        # copy each distinct shard once into memory of our own, then alias it.
+        copies: dict[int, np.ndarray] = {}
+        shards = [copies.setdefault(id(x), _own_copy(x)) for x in shards]
+        alias = True
     semantics = zero_copy if alias else copy_during_call
     return put(aval, sharding, shards, devices, committed, False, semantics)
+
+
+def _own_copy(x: np.ndarray) -> np.ndarray:
+    from ._buffer import aligned_array
+
+    out = aligned_array(x.shape, x.dtype)
+    np.copyto(out, x)
+    return out
 
 
 def put_dlpack(buf: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array:
@@ -421,6 +490,10 @@ def put_dlpack(buf: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array
         if committed:
             device = next(iter(sharding.device_set))
             return jax.dlpack.from_dlpack(_HandOff(buf), device, copy=False)
+            try:
+                return jax.dlpack.from_dlpack(buf, next(iter(sharding.device_set)), copy=False)
+            except ValueError:  # a CPU device other than the one DLPack's memory is on
+                return _public_put(np.asarray(buf), aval, sharding, committed)
         # jax.dlpack.from_dlpack commits; device_put without a target does not,
         # and aliases the aligned memory (the buffer refuses writers from now on).
         return _public_put(np.asarray(buf), aval, sharding, committed)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _core, _jax_hooks
+from . import _core, _jax_hooks, _multiprocess
 from ._array import AsyncArray, source_of
 from ._errors import frames_freed, free_frames, noted
 from ._pool import exit_hooks, jax_work
@@ -54,9 +55,45 @@ def _cancel_waiting_at_exit() -> None:
     for call in calls:
         call.leaves = None
         call.out.cancel()
+        _mark_launched(call)
 
 
 exit_hooks.append(_cancel_waiting_at_exit)
+
+# Program order. Calls launch (hand their program to JAX's dispatch) out of
+# call order only where that cannot change a result: a call that donates
+# launches after every earlier call (one of them may read what it donates),
+# and calls with an input or output on another process's devices launch in
+# call order (collectives pair by launch order across processes). Each entry
+# is a call's `launched` future, by call number, until it launches.
+_order_lock = threading.Lock()
+_unlaunched: dict[int, _core.Future] = {}
+_call_numbers = itertools.count()
+_last_spanning: list[_core.Future] = []  # the latest call spanning processes, if unlaunched
+
+
+def _order(call: _Call, donates: bool, spans: bool) -> list[_core.Future]:
+    """Numbers ``call`` and returns the ``launched`` futures of the earlier
+    calls it must launch after."""
+    launched = call.launched
+    with _order_lock:
+        call.number = next(_call_numbers)
+        if donates:
+            before = list(_unlaunched.values())
+        else:
+            before = [f for f in _last_spanning if spans and not f.done()]
+        if spans:
+            _last_spanning[:] = [launched]
+        _unlaunched[call.number] = launched
+    return before
+
+
+def _mark_launched(call: _Call) -> None:
+    """``call``'s program is handed to JAX (or never will be): later calls
+    ordered after it may launch."""
+    with _order_lock:
+        _unlaunched.pop(call.number, None)
+    call.launched.set_result(None)
 
 
 def _index_tuple(value: Any) -> tuple[int, ...]:
@@ -189,12 +226,16 @@ class _Call:
         "compiling",
         "dyn_pos",
         "in_tree",
+        "launched",
         "leaves",
+        "number",
         "out",
         "out_avals",
         "out_shardings",
         "out_tree",
         "owner",
+        "span_number",
+        "spanning_inputs",
         "specs",
     )
 
@@ -212,6 +253,10 @@ class _Call:
         self.specs = specs
         self.leaves: list[Any] | None = leaves
         self.out = _core.Future()
+        self.launched = _core.Future()  # set once the program is handed to JAX
+        self.number = -1
+        self.span_number = -1  # among calls spanning processes, if this is one
+        self.spanning_inputs: list[tuple[int, int]] = []  # (global leaf number, input index)
         self.compiling: _Compile | None = None
         self.out_tree: Any = None
         self.out_avals: list[Any] = []
@@ -265,6 +310,7 @@ def _launch(call: _Call) -> None:
     out = call.out
     if out.done():  # cancelled by the caller, or at exit: nothing to run
         call.leaves = None
+        _mark_launched(call)
         return
     jax_work.enter()
     try:
@@ -273,16 +319,18 @@ def _launch(call: _Call) -> None:
         jax_work.leave()
         call.leaves = None
         out.set_exception(exc)
+        _mark_launched(call)
         return
-    task.add_done_callback(functools.partial(_task_ended, [out]))
+    task.add_done_callback(functools.partial(_task_ended, [out], call))
 
 
-def _task_ended(holder: list[_core.Future], task: _core.Future) -> None:
+def _task_ended(holder: list[_core.Future], call: _Call, task: _core.Future) -> None:
     # _execute completes the output future itself; this covers a task
     # cancelled at interpreter exit, so that no output waits forever. The
     # output (and the arrays it holds) comes in a list emptied here, so that
     # it is never freed after jax_work.leave(), when the interpreter may be exiting.
     out = holder.pop()
+    _mark_launched(call)  # normally already, by _execute
     try:
         if out.done():
             return
@@ -297,7 +345,15 @@ def _task_ended(holder: list[_core.Future], task: _core.Future) -> None:
 
 
 def _execute(call: _Call) -> None:
-    """Runs on the pool once the compilation and every input are done."""
+    """Runs on the pool once the compilation and every input are done, and
+    every earlier call it is ordered after has launched."""
+    try:
+        _execute_in_order(call)
+    finally:
+        _mark_launched(call)
+
+
+def _execute_in_order(call: _Call) -> None:
     out, values, name = call.out, call.leaves, call.owner._name
     call.leaves = None  # a donated or large input is held only as long as needed
     if out.done() or values is None:
@@ -306,6 +362,7 @@ def _execute(call: _Call) -> None:
     try:
         compiled = call.compiling.future.result(0)
     except BaseException as exc:
+        _tell_others(call, f"compiling failed: {_multiprocess.describe(exc)}")
         out.set_exception(
             noted(exc, f"async_array: compiling {name} for ({call.inputs_text()}) failed")
         )
@@ -315,10 +372,22 @@ def _execute(call: _Call) -> None:
             try:
                 values[i] = value.result()
             except BaseException as exc:
+                _tell_others(call, f"input {call.in_path(i)} failed: {_multiprocess.describe(exc)}")
                 out.set_exception(
                     noted(exc, f"async_array: input {call.in_path(i)} of {name} failed")
                 )
                 return
+    if call.span_number >= 0:
+        try:
+            _multiprocess.agree(
+                call.span_number,
+                None,
+                [(n, call.in_path(i)) for n, i in call.spanning_inputs],
+                name,
+            )
+        except BaseException as exc:
+            out.set_exception(exc)
+            return
     try:
         result = _run(compiled, call.in_tree, values)
     except BaseException as exc:
@@ -331,6 +400,20 @@ def _execute(call: _Call) -> None:
 
 _execute.task_label = lambda call: call.owner._name  # type: ignore[attr-defined]
 _compile.task_label = lambda traced: "aa.jit compilation"  # type: ignore[attr-defined]
+
+
+def _tell_others(call: _Call, why: str) -> None:
+    """A call spanning processes that will not run here: says so to the
+    other processes, so that they raise instead of waiting in a collective."""
+    if call.span_number < 0:
+        return
+    me = jax.process_index()
+    try:
+        _multiprocess.agree(
+            call.span_number, f"{call.owner._name} failed on process {me}: {why}", [], ""
+        )
+    except Exception:  # the store is gone: nothing to tell
+        _LOG.debug("async_array: could not tell the other processes", exc_info=True)
 
 
 def _run(compiled: Any, in_tree: Any, values: list[Any]) -> Any:
@@ -361,6 +444,10 @@ class JitFunction:
         )
         self._in_devices = _in_shardings_devices(jit_kwargs.get("in_shardings"))
         self._out_shardings_given = jit_kwargs.get("out_shardings") is not None
+        self._donates = bool(
+            jit_kwargs.get("donate_argnums") not in (None, (), [])
+            or jit_kwargs.get("donate_argnames") not in (None, (), [])
+        )
         self._pos_names: list[str] = []
         self._var_pos: str | None = None
         if sig is not None:
@@ -599,7 +686,21 @@ class JitFunction:
         ]
         compiling = call.compiling
         assert compiling is not None and call.leaves is not None
-        subscribes: list[Callable[[Callable[..., None]], None]] = []
+        spans = any(
+            s is not None and not s.is_fully_addressable
+            for s in [*(spec[3] for spec in call.specs), *call.out_shardings]
+        )
+        subscribes: list[Callable[[Callable[..., None]], None]] = [
+            f.add_done_callback for f in _order(call, self._donates, spans)
+        ]
+        if spans and _multiprocess.client() is not None:
+            call.span_number = _multiprocess.next_call_number()
+            for i, leaf in enumerate(call.leaves):
+                if type(leaf) is AsyncArray:
+                    source = source_of(leaf)
+                    ids = None if source is None else source.global_ids
+                    if ids is not None and ids[leaf._index] >= 0:
+                        call.spanning_inputs.append((ids[leaf._index], i))
         if not compiling.done():
             subscribes.append(compiling.on_done)
         inputs = [leaf for leaf in call.leaves if type(leaf) is AsyncArray]

@@ -10,11 +10,12 @@ from typing import Any
 
 import jax
 
-from . import _core
+from . import _core, _multiprocess
 from ._array import AsyncArray
 from ._convert import convert_one
 from ._errors import frames_freed, free_frames, shallow_copy
 from ._pool import jax_work
+from ._shards import submit_per_shard
 from ._source import Source
 from ._spec import LeafSpecs, declare_tree, qualname
 from ._tree import paused_gc
@@ -37,15 +38,19 @@ def _one_source_a_leaf(specs: LeafSpecs, futures: list[_core.Future]) -> list[As
     # (a closure per leaf would cost 200 bytes a pending leaf).
     key_paths = specs.key_path
     name, avals, shardings, committed = specs.name, specs.avals, specs.shardings, specs.committed
-    return [
+    leaves = [
         AsyncArray(
             Source(future, name, 1, key_paths, i),
             0,
             avals[i],
-            shardings[i] if committed[i] else None,
+            shardings[i],
+            committed[i],
         )
         for i, future in enumerate(futures)
     ]
+    if leaves:
+        _multiprocess.track(specs, [leaf._source for leaf in leaves])
+    return leaves
 
 
 def _run_leaf(fn: Callable[[Any, Any], Any], path: Any, spec: Any, specs: LeafSpecs, i: int):
@@ -55,26 +60,34 @@ def _run_leaf(fn: Callable[[Any, Any], Any], path: Any, spec: Any, specs: LeafSp
         return [convert_one(specs, i, value)]
 
 
-def _check_takes_two(fn: Callable[..., Any]) -> None:
-    """Refuses at the call an ``fn`` that cannot take ``(key_path, spec)``,
-    rather than failing every leaf with the same TypeError later."""
+def _check_takes(fn: Callable[..., Any], per_shard: bool) -> None:
+    """Refuses at the call an ``fn`` that cannot take ``(key_path, spec)``
+    (``(key_path, spec, index)`` per shard), rather than failing every leaf
+    with the same TypeError later."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without one: the leaves will say
         return
     try:
-        signature.bind(None, None)
+        signature.bind(*([None] * (3 if per_shard else 2)))
     except TypeError:
+        wanted = "(key_path, spec, index)" if per_shard else "(key_path, spec)"
         raise TypeError(
-            f"async_map: fn must take (key_path, spec), got {qualname(fn)}{signature}"
+            f"async_map: fn must take {wanted}, got {qualname(fn)}{signature}"
         ) from None
+
+
 # How cycle messages name each task (see _core.WaitCycleError).
 _run_leaf.task_label = lambda fn, path, spec, specs, i: specs.where(i)  # type: ignore[attr-defined]
 
 
-def async_map(fn: Callable[[Any, Any], Any], like: Any, *, sharding: Any = None) -> Any:
+def async_map(
+    fn: Callable[..., Any], like: Any, *, sharding: Any = None, per_shard: bool = False
+) -> Any:
     """Runs ``fn(key_path, spec)`` for every leaf of ``like``, one pool task a
-    leaf, and returns the tree of ``AsyncArray`` at once.
+    leaf (with ``per_shard=True``, ``fn(key_path, spec, index)`` once per leaf
+    and distinct index among this process's devices), and returns the tree of
+    ``AsyncArray`` at once.
 
     The per-tensor loader: one HTTP range request per tensor, say. Each leaf is
     ready as soon as its own task finishes.
@@ -84,19 +97,40 @@ def async_map(fn: Callable[[Any, Any], Any], like: Any, *, sharding: Any = None)
         tuple of ``DictKey``/``SequenceKey``/...) and its ``like`` leaf; returns
         what ``async_wrap``'s ``f`` may return for one leaf.
       like: a pytree of specs (``.shape``, ``.dtype``).
-      sharding: as in ``async_wrap``.
+      sharding: as in ``async_wrap``: a ``Sharding``, ``jax.Device`` or
+        ``PartitionSpec`` (under ``jax.set_mesh``), or a pytree prefix of them.
+      per_shard: call ``fn(key_path, spec, index)`` once per leaf and distinct
+        index (a tuple of slices into the global array, as
+        ``jax.make_array_from_callback`` passes it) held by this process's
+        devices; ``spec`` is a ``jax.ShapeDtypeStruct`` with the leaf's global
+        shape, dtype and resolved sharding, and ``fn`` returns that shard (of
+        the index's shape). Under ``jax.distributed`` each process reads only
+        its share; a replicated shard is read once. All calls are submitted
+        at once and run concurrently; each leaf is ready when its last shard
+        is placed on every local device holding its index.
 
     Returns:
       A pytree of ``AsyncArray`` shaped like ``like``.
 
     Raises:
-      TypeError, ValueError: bad arguments, as ``async_wrap``. A failure of one
-      ``fn`` call fails only that leaf (its exception, with a note naming it).
+      TypeError, ValueError: bad arguments, as ``async_wrap``; an ``fn`` that
+      cannot take two arguments (three with ``per_shard``). A failure of one
+      ``fn`` call fails only that leaf (its exception, with a note naming it,
+      and per shard the index and devices). A shard of the wrong shape is a
+      ``ValueError``; a cast across kinds a ``TypeError``; a value that does
+      not fit the dtype an ``OverflowError``.
+
+    Note:
+      Per shard, a ``HostBuffer`` result of the index's shape and the leaf's
+      dtype reaches its CPU devices without a copy; others are copied once.
     """
     if not callable(fn):
         raise TypeError(f"async_map: fn must be callable, got {type(fn).__name__}")
-    _check_takes_two(fn)
+    _check_takes(fn, per_shard)
     with paused_gc():
+        if per_shard:
+            specs, paths, _ = _specs_and_paths(f"async_map({qualname(fn)})", like, sharding)
+            return specs.treedef.unflatten(submit_per_shard(fn, specs, paths))
         return _async_map(fn, like, sharding)
 
 

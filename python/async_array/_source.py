@@ -40,6 +40,7 @@ class Source:
 
     __slots__ = (
         "future",
+        "global_ids",
         "key_path",
         "leaf_count",
         "leaf_errors",
@@ -63,6 +64,9 @@ class Source:
         self.offset = offset
         self.retrieved = False
         self.leaf_errors: dict[int, _LeafError] | None = None
+        # Per leaf, its number among leaves spanning processes (-1: local);
+        # None when no leaf spans processes (see _multiprocess).
+        self.global_ids: list[int] | None = None
 
     def where(self, index: int) -> str:
         """How messages name leaf ``index``."""

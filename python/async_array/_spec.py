@@ -170,43 +170,116 @@ def _aval(shape: tuple[int, ...], dtype: np.dtype) -> Any:
     return _jax_hooks.shaped_array(shape, dtype)
 
 
-_default_sharding: Sharding | None = None
+# One SingleDeviceSharding per device: leaves placed alike share it (and the
+# hand-off caches keyed by sharding hit).
+_single: dict[Any, Sharding] = {}
+
+
+def single_device(device: Any) -> Sharding:
+    """``SingleDeviceSharding(device)``, one object per device."""
+    found = _single.get(device)
+    if found is None:
+        found = _single[device] = jax.sharding.SingleDeviceSharding(device)
+    return found
+
+
+def default_device() -> Any:
+    """The device ``jnp.asarray`` would place a host array on now: the
+    ``jax.default_device`` in effect (its context manager on this thread, or
+    the ``jax_default_device`` config; a platform name means that platform's
+    first local device), else this process's first local device.
+
+    Raises:
+      ValueError: the configured default device belongs to another process.
+    """
+    configured = jax.config.jax_default_device
+    if configured is None:
+        return jax.local_devices()[0]
+    if isinstance(configured, str):
+        return jax.local_devices(backend=configured)[0]
+    if configured.process_index != jax.process_index():
+        raise ValueError(
+            f"jax.default_device is {configured}, a device of process "
+            f"{configured.process_index}; this is process {jax.process_index()}"
+        )
+    return configured
 
 
 def default_sharding() -> Sharding:
-    """Where a leaf lands when no sharding is given: the default device,
-    uncommitted, as ``jnp.asarray`` of a numpy array would."""
-    global _default_sharding
-    if _default_sharding is None:
-        _default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return _default_sharding
+    """Where a leaf lands when no sharding is given: the default device
+    (:func:`default_device`), uncommitted, as ``jnp.asarray`` of a numpy array."""
+    return single_device(default_device())
 
 
-def _check_sharding(sharding: Any, shape: tuple[int, ...], where: str) -> None:
-    if not isinstance(sharding, Sharding):
-        raise TypeError(
-            f"{where}: sharding must be a jax.sharding.Sharding, got {type(sharding).__name__}"
-        )
+def _is_placement(s: Any) -> bool:
+    return s is None or isinstance(s, (Sharding, jax.Device, jax.sharding.PartitionSpec))
+
+
+def placement(s: Any, where: str) -> Sharding | None:
+    """``s`` as a ``Sharding`` (None stays None), accepting what
+    ``jax.device_put`` accepts: a ``Sharding``, a ``jax.Device``, or a
+    ``PartitionSpec`` on the mesh of ``jax.set_mesh`` (or ``use_mesh``).
+
+    Raises:
+      TypeError: anything else.
+      ValueError: a ``PartitionSpec`` with no mesh set.
+    """
+    if s is None or isinstance(s, Sharding):
+        return s
+    if isinstance(s, jax.Device):
+        return single_device(s)
+    if isinstance(s, jax.sharding.PartitionSpec):
+        get_mesh = getattr(jax.sharding, "get_mesh", None)
+        mesh = get_mesh() if get_mesh is not None else None
+        if mesh is None or mesh.empty:
+            raise ValueError(
+                f"{where}: a PartitionSpec ({s}) needs a mesh: set one with jax.set_mesh, "
+                "or pass a jax.sharding.NamedSharding"
+            )
+        return jax.sharding.NamedSharding(mesh, s)
+    raise TypeError(
+        f"{where}: sharding must be a jax.sharding.Sharding, a jax.Device or a "
+        f"PartitionSpec (under jax.set_mesh), got {type(s).__name__}"
+    )
+
+
+def _check_sharding(sharding: Sharding, aval: Any, where: str) -> None:
+    """Raises ``jax.device_put``'s own error, after the call and leaf, when
+    ``sharding`` cannot place ``aval`` (an axis it does not divide, a spec
+    longer than the rank)."""
     try:
-        sharding.shard_shape(shape)
+        sharding.shard_shape(aval.shape)
+        return
     except Exception as exc:
-        raise ValueError(f"{where}: sharding {sharding} does not fit shape {shape}: {exc}") from exc
+        cheap = exc
+    # Only on failure: what jax.device_put says, by tracing it abstractly.
+    try:
+        jax.eval_shape(
+            lambda x: jax.device_put(x, sharding), jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+        )
+    except (ValueError, TypeError) as exc:
+        # Newer JAX ends with the source line of the call: ours, so dropped.
+        text = str(exc).split(" This error occurs at source:")[0]
+        raise type(exc)(f"{where}: {text}") from None
+    except Exception as exc:
+        cheap = exc
+    raise ValueError(f"{where}: sharding {sharding} does not fit shape {aval.shape}: {cheap}")
 
 
 def _broadcast_shardings(sharding: Any, like: Any, n: int, where: str) -> list[Any]:
-    """``sharding`` as one entry per leaf of ``like``: a single Sharding, or a
-    pytree prefix of ``like`` with Sharding (or None) leaves, as ``jax.device_put``."""
-    if sharding is None or isinstance(sharding, Sharding):
-        return [sharding] * n
-    is_leaf = lambda s: s is None or isinstance(s, Sharding)  # noqa: E731
-    prefix, prefix_def = jax.tree_util.tree_flatten(sharding, is_leaf=is_leaf)
+    """``sharding`` as one ``Sharding`` (or None) per leaf of ``like``: a
+    single placement, or a pytree prefix of ``like`` with placement (or None)
+    leaves, as ``jax.device_put``."""
+    if _is_placement(sharding):
+        return [placement(sharding, where)] * n
+    prefix, prefix_def = jax.tree_util.tree_flatten(sharding, is_leaf=_is_placement)
     try:
         subtrees = prefix_def.flatten_up_to(like)
     except ValueError as exc:
         raise ValueError(f"{where}: sharding is not a pytree prefix of like: {exc}") from None
     out: list[Any] = []
     for s, sub in zip(prefix, subtrees, strict=True):
-        out.extend([s] * jax.tree_util.tree_structure(sub).num_leaves)
+        out.extend([placement(s, where)] * jax.tree_util.tree_structure(sub).num_leaves)
     return out
 
 
@@ -232,7 +305,10 @@ class LeafSpecs:
         """Sets each leaf's sharding: a requested one (committed), or the
         default device's (uncommitted) for None."""
         self.committed = [s is not None for s in shardings]
-        self.shardings = [default_sharding() if s is None else s for s in shardings]
+        if not all(self.committed):
+            default = default_sharding()  # read once, at the call
+            shardings = [default if s is None else s for s in shardings]
+        self.shardings = shardings
 
     def key_path(self, index: int) -> str:
         if self.treedef is None:
@@ -260,10 +336,12 @@ def declare(
             raise TypeError(f"{name}: needs shape= and dtype=, or like= (a pytree of specs)")
         dims = shape_tuple(shape, name)
         dt = _dtype(dtype, name, name.partition("(")[0])
+        aval = _aval(dims, dt)
+        sharding = placement(sharding, name)
         if sharding is not None:
-            _check_sharding(sharding, dims, name)
+            _check_sharding(sharding, aval, name)
         specs = LeafSpecs(name, None, None)
-        specs.avals.append(_aval(dims, dt))
+        specs.avals.append(aval)
         specs.place_on([sharding])
         return specs
     leaves, treedef = jax.tree_util.tree_flatten(like)
@@ -299,7 +377,7 @@ def declare_tree(specs: LeafSpecs, leaves: list[Any], sharding: Any) -> LeafSpec
             if isinstance(own, Sharding) and getattr(leaf, "committed", True):
                 s = own
         if s is not None and (id(s), aval.shape) not in fits:
-            _check_sharding(s, aval.shape, specs.where(i))
+            _check_sharding(s, aval, specs.where(i))
             fits.add((id(s), aval.shape))
         shardings[i] = s
     specs.place_on(shardings)

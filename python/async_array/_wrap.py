@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _core
+from . import _core, _multiprocess
 from ._array import AsyncArray
 from ._convert import convert_results
 from ._errors import frames_freed
@@ -29,8 +29,9 @@ _run.task_label = lambda f, specs: specs.name  # type: ignore[attr-defined]
 def _leaves_for(specs: LeafSpecs, future: _core.Future) -> Any:
     """The ``AsyncArray`` leaves of one call, in the shape of ``like``."""
     source = Source(future, specs.name, len(specs.avals), specs.key_path)
+    _multiprocess.track(specs, [source])
     leaves = [
-        AsyncArray(source, i, aval, sharding if committed else None)
+        AsyncArray(source, i, aval, sharding, committed)
         for i, (aval, sharding, committed) in enumerate(
             zip(specs.avals, specs.shardings, specs.committed, strict=True)
         )

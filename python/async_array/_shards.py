@@ -1,0 +1,327 @@
+"""Per-shard producers: ``aa.make_array_from_callback`` and
+``aa.async_map(..., per_shard=True)``.
+
+Each leaf's sharding is split into the distinct indices this process's
+devices hold (a replicated shard is read once); one pool task runs per leaf and
+index, all submitted at once; the task that finishes a leaf's last shard puts
+every shard on every local device holding its index, in one hand-off.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from . import _core, _jax_hooks, _multiprocess
+from ._array import AsyncArray
+from ._buffer import aligned_array
+from ._convert import _check_cast, _copy_checked, _host_array, invalid
+from ._core import HostBuffer
+from ._errors import frames_freed, free_frames
+from ._pool import jax_work
+from ._source import Source
+from ._spec import LeafSpecs, Sharding
+
+_index_key = _jax_hooks.index_key
+
+
+class Layout(NamedTuple):
+    """Where one sharding puts an array of one shape, on this process.
+
+    ``indices[k]`` is a distinct index (a tuple of slices, as
+    ``jax.make_array_from_callback`` passes it), ``shapes[k]`` its shard's
+    shape, ``holders[k]`` the local devices holding it; ``devices`` and
+    ``slots`` list every local device and the index it holds.
+    """
+
+    indices: list[tuple[slice, ...]]
+    shapes: list[tuple[int, ...]]
+    holders: list[list[Any]]
+    devices: list[Any]
+    slots: list[int]
+
+
+# By (sharding, shape); the sharding is kept in the value so its id is not reused.
+_layouts: dict[tuple[int, tuple[int, ...]], tuple[Sharding, Layout]] = {}
+
+
+def layout(sharding: Sharding, shape: tuple[int, ...]) -> Layout:
+    """The distinct addressable indices of ``sharding`` for ``shape``."""
+    key = (id(sharding), shape)
+    found = _layouts.get(key)
+    if found is not None:
+        return found[1]
+    by_key: dict[tuple[Any, ...], int] = {}
+    indices: list[tuple[slice, ...]] = []
+    holders: list[list[Any]] = []
+    devices: list[Any] = []
+    slots: list[int] = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        index = tuple(index)
+        k = by_key.get(_index_key(index))
+        if k is None:
+            k = by_key[_index_key(index)] = len(indices)
+            indices.append(index)
+            holders.append([])
+        holders[k].append(device)
+        devices.append(device)
+        slots.append(k)
+    shapes = [
+        tuple(len(range(*s.indices(dim))) for s, dim in zip(index, shape, strict=True))
+        for index in indices
+    ]
+    out = Layout(indices, shapes, holders, devices, slots)
+    if len(_layouts) < 4096:
+        _layouts[key] = (sharding, out)
+    return out
+
+
+def index_text(index: tuple[slice, ...]) -> str:
+    """An index as numpy writes it: ``[0:4, :]``."""
+
+    def one(s: slice) -> str:
+        if s.start is None and s.stop is None and s.step is None:
+            return ":"
+        text = f"{'' if s.start is None else s.start}:{'' if s.stop is None else s.stop}"
+        return text if s.step is None else f"{text}:{s.step}"
+
+    return f"[{', '.join(one(s) for s in index)}]"
+
+
+def _shard_where(state: _LeafShards, k: int) -> str:
+    lay = state.layout
+    devices = ", ".join(str(d) for d in lay.holders[k])
+    return f"{state.specs.where(state.leaf)} shard {index_text(lay.indices[k])} (devices {devices})"
+
+
+def shard_host(value: Any, shape: tuple[int, ...], dtype: np.dtype, where: str) -> np.ndarray:
+    """One shard's result as host memory that nothing else writes: a
+    ``HostBuffer``'s own memory (no copy; it refuses new writable views from
+    now on), else one checked copy into aligned memory.
+
+    Raises:
+      ValueError: the shape is not the index's.
+      TypeError: a cast across kinds, or not an array at all.
+      OverflowError: a value that does not fit ``dtype``.
+    """
+    if type(value) is HostBuffer and value.shape == shape and value.dtype == dtype:
+        host = np.asarray(value)
+        value.mark_exported()
+        return host
+    if isinstance(value, AsyncArray):
+        value = value.result()
+    if isinstance(value, jax.Array):
+        value = np.asarray(value)
+    host = _host_array(value, where)
+    if host.shape != shape:
+        raise invalid(ValueError, f"{where}: expected shape {shape}, got {host.shape}")
+    _check_cast(host.dtype, dtype, where)
+    staged = aligned_array(shape, dtype)
+    _copy_checked(host, staged, where)
+    return staged
+
+
+class _LeafShards:
+    """One leaf's shards as they arrive; the task that brings the last one
+    makes the leaf's ``jax.Array``."""
+
+    __slots__ = ("future", "layout", "leaf", "lock", "path", "remaining", "shards", "spec", "specs")
+
+    def __init__(self, specs: LeafSpecs, leaf: int, path: Any, lay: Layout) -> None:
+        self.specs = specs
+        self.leaf = leaf
+        self.path = path
+        self.layout = lay
+        aval, sharding = specs.avals[leaf], specs.shardings[leaf]
+        self.spec = jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
+        self.future = _core.Future()
+        self.shards: list[np.ndarray | None] = [None] * len(lay.indices)
+        self.remaining = len(lay.indices)
+        self.lock = threading.Lock()
+
+    def assemble(self) -> jax.Array:
+        specs, i, lay = self.specs, self.leaf, self.layout
+        shards = [self.shards[k] for k in lay.slots]
+        self.shards = []
+        return _jax_hooks.put_shards(
+            shards, lay.devices, specs.avals[i], specs.shardings[i], specs.committed[i], True
+        )
+
+
+def _fail(state: _LeafShards, k: int, exc: BaseException) -> None:
+    if getattr(exc, "_async_array_invalid", False):
+        # Raised by validation, worded "<where>: ...": name the shard instead.
+        text = str(exc)
+        text = text[text.index(": ") + 2 :] if text.startswith(": ") else text
+        exc = type(exc)(f"{_shard_where(state, k)}: {text}")
+    else:
+        exc.add_note(f"async_array: raised for {_shard_where(state, k)}")
+        free_frames(exc)
+    state.shards = []  # the leaf failed: free what its other shards brought
+    state.future.set_exception(exc)
+
+
+def _run_shard(fn: Callable[..., Any], state: _LeafShards, k: int) -> None:
+    fut = state.future
+    if fut.done():  # another shard failed, or the leaf was cancelled
+        return
+    index = state.layout.indices[k]
+    try:
+        with frames_freed:
+            value = fn(state.path, state.spec, index)
+    except BaseException as exc:
+        _fail(state, k, exc)
+        return
+    try:
+        with jax_work:
+            aval = state.specs.avals[state.leaf]
+            host = shard_host(value, state.layout.shapes[k], aval.dtype, "")
+    except Exception as exc:
+        _fail(state, k, exc)
+        return
+    del value
+    with state.lock:
+        if fut.done():
+            return
+        state.shards[k] = host
+        state.remaining -= 1
+        last = state.remaining == 0
+    del host
+    if not last:
+        return
+    try:
+        with jax_work:
+            array = state.assemble()
+    except BaseException as exc:
+        exc.add_note(f"async_array: while placing {state.specs.where(state.leaf)}")
+        fut.set_exception(free_frames(exc))
+        return
+    fut.set_result([array])
+
+
+def _cancel_leaf_if_cancelled(state: _LeafShards, task: _core.Future) -> None:
+    # A shard task cancelled (at interpreter exit): its leaf must not wait forever.
+    if task.cancelled():
+        state.future.cancel()
+
+
+def submit_per_shard(
+    fn: Callable[..., Any], specs: LeafSpecs, paths: list[Any]
+) -> list[AsyncArray]:
+    """Submits ``fn(path, spec, index)`` for every leaf of ``specs`` and every
+    distinct index its sharding gives this process, in one submission; returns
+    the leaves in order."""
+    states = []
+    args: list[tuple[Any, ...]] = []
+    for i, path in enumerate(paths):
+        lay = layout(specs.shardings[i], specs.avals[i].shape)
+        state = _LeafShards(specs, i, path, lay)
+        states.append(state)
+        args.extend((fn, state, k) for k in range(len(lay.indices)))
+    for state in states:
+        if not state.layout.indices:  # no device of this process holds any of it
+            try:
+                state.future.set_result([state.assemble()])
+            except Exception as exc:
+                state.future.set_exception(exc)
+    tasks = _core.submit_many(_run_shard, args)
+    for (_, state, _), task in zip(args, tasks, strict=True):
+        task.add_done_callback(lambda t, s=state: _cancel_leaf_if_cancelled(s, t))
+    key_paths = specs.key_path
+    name = specs.name
+    leaves = [
+        AsyncArray(
+            Source(state.future, name, 1, key_paths, i),
+            0,
+            specs.avals[i],
+            specs.shardings[i],
+            specs.committed[i],
+        )
+        for i, state in enumerate(states)
+    ]
+    if leaves:
+        _multiprocess.track(specs, [leaf._source for leaf in leaves])
+    return leaves
+
+
+def _callback_of(data_callback: Callable[[Any], Any]) -> Callable[..., Any]:
+    def call(_path: Any, _spec: Any, index: tuple[slice, ...]) -> Any:
+        return data_callback(index)
+
+    return call
+
+
+def make_array_from_callback(
+    shape: Any,
+    sharding: Any,
+    data_callback: Callable[[tuple[slice, ...]], Any],
+    *,
+    dtype: Any,
+) -> AsyncArray:
+    """The asynchronous ``jax.make_array_from_callback``: returns an
+    ``AsyncArray`` at once and calls ``data_callback(index)`` on the pool, once
+    per distinct index among this process's devices, all concurrently.
+
+    Under ``jax.distributed`` each process calls it with the global shape and
+    sharding and reads only its own shards; the leaf is the global array.
+
+    Args:
+      shape: the global shape, a tuple of ints.
+      sharding: a ``jax.sharding.Sharding`` (``NamedSharding`` sharded or
+        replicated, ``SingleDeviceSharding``), a ``jax.Device``, or a
+        ``PartitionSpec`` under ``jax.set_mesh``. The result is committed to it.
+      data_callback: ``data_callback(index)`` with ``index`` a tuple of
+        slices into the global array (as JAX passes it) returns that shard:
+        anything ``async_wrap``'s ``f`` may return, of the index's shape.
+        Devices holding the same index (replication) share one call.
+      dtype: the dtype of the array (canonicalized as JAX does; required,
+        since nothing is read at the call).
+
+    Returns:
+      An ``AsyncArray`` of ``shape`` and ``dtype`` on ``sharding``.
+
+    Raises:
+      TypeError: ``data_callback`` not callable, an unknown dtype, or a
+        sharding that is not a placement.
+      ValueError: a negative dimension, or a sharding that does not fit
+        ``shape`` (``jax.device_put``'s own error).
+
+    The leaf then fails, at every use, with: the callback's own exception
+    (a note names the index and its devices); ``ValueError`` for a shard
+    whose shape is not its index's; ``TypeError`` for a cast across kinds;
+    ``OverflowError`` for a value that does not fit ``dtype``. Errors name the
+    call, the index and the devices.
+
+    Note:
+      A ``HostBuffer`` shard (``aa.empty(index_shape, dtype)``) reaches its
+      CPU devices without a copy; any other result is copied once.
+
+    Examples:
+      >>> import numpy as np, jax, async_array as aa
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("x",))
+      >>> data = np.arange(8, dtype=np.float32)
+      >>> x = aa.make_array_from_callback(
+      ...     (8,), NamedSharding(mesh, P("x")), lambda index: data[index], dtype=np.float32)
+      >>> print(x)
+      [0. 1. 2. 3. 4. 5. 6. 7.]
+    """
+    from ._spec import declare, qualname
+    from ._tree import paused_gc
+
+    if not callable(data_callback):
+        raise TypeError(
+            "make_array_from_callback: data_callback must be callable, got "
+            f"{type(data_callback).__name__}"
+        )
+    name = f"make_array_from_callback({qualname(data_callback)})"
+    if sharding is None:
+        raise TypeError(f"{name}: needs a sharding, as jax.make_array_from_callback")
+    with paused_gc():
+        specs = declare(name, shape, dtype, None, sharding)
+        (leaf,) = submit_per_shard(_callback_of(data_callback), specs, [()])
+    return leaf
