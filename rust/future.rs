@@ -125,11 +125,6 @@ impl<T, E> Future<T, E> {
         Arc::strong_count(&self.shared) == 1
     }
 
-    /// A number that names this future while it lives (its shared state's address).
-    pub fn id(&self) -> usize {
-        Arc::as_ptr(&self.shared) as usize
-    }
-
     /// True the first time it is called while the future has not started:
     /// the caller then asks the pool to run its job next, once.
     pub fn mark_wanted(&self) -> bool {
