@@ -15,7 +15,7 @@ import async_array as aa
 F32 = np.float32
 VALUE = np.arange(32, dtype=F32).reshape(8, 4)
 
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices")
+# tests/conftest.py asks XLA for 4 CPU devices; fewer is a broken set-up, not a skip.
 
 
 def _mesh():
@@ -101,16 +101,6 @@ def test_a_partition_spec_under_set_mesh():
     np.testing.assert_array_equal(got, VALUE)
     cols = aa.materialize(tree)["w"]
     assert cols.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(None, "model")), 2)
-
-
-@pytest.mark.skipif(not hasattr(jax.sharding, "use_mesh"), reason="no jax.sharding.use_mesh")
-def test_a_partition_spec_under_use_mesh():
-    mesh = _mesh()
-    with jax.sharding.use_mesh(mesh):
-        x = aa.async_wrap(
-            lambda: VALUE.copy(), shape=VALUE.shape, dtype=F32, sharding=PartitionSpec("data")
-        )
-    assert x.result().sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("data")), 2)
 
 
 def test_a_partition_spec_without_a_mesh_is_refused_at_the_call():
