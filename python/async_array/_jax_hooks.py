@@ -489,9 +489,8 @@ def put_dlpack(buf: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array
     if _dlpack is None or _ArrayImpl is None:
         if committed:
             device = next(iter(sharding.device_set))
-            return jax.dlpack.from_dlpack(_HandOff(buf), device, copy=False)
             try:
-                return jax.dlpack.from_dlpack(buf, next(iter(sharding.device_set)), copy=False)
+                return jax.dlpack.from_dlpack(_HandOff(buf), device, copy=False)
             except ValueError:  # a CPU device other than the one DLPack's memory is on
                 return _public_put(np.asarray(buf), aval, sharding, committed)
         # jax.dlpack.from_dlpack commits; device_put without a target does not,
