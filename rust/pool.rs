@@ -390,6 +390,27 @@ impl Pool {
         }
     }
 
+    /// Runs `job` on worker `slot` with the pool's lock let go, and takes the
+    /// lock back: the one place that counts running jobs.
+    fn run_job<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        slot: usize,
+        job: Box<dyn Job>,
+    ) -> MutexGuard<'a, State> {
+        st.running[slot] = job.abandon_handle();
+        st.running_jobs += 1;
+        drop(st);
+        job.run();
+        let mut st = lock(&self.inner.state);
+        st.running[slot] = None;
+        st.running_jobs -= 1;
+        if st.running_jobs == 0 && st.idle_waiters > 0 {
+            self.inner.idle.notify_all();
+        }
+        st
+    }
+
     /// A thread of the urgent lane: runs the lane's jobs while there are any,
     /// then ends. Not a worker for `try_pop` and `blocking` (so it never takes a
     /// load, and a wait in it starts no stand-in): its jobs are compiles,
@@ -400,16 +421,7 @@ impl Pool {
         }
         let mut st = lock(&self.inner.state);
         while let Some(job) = st.lane.pop_front() {
-            st.running[slot] = job.abandon_handle();
-            st.running_jobs += 1;
-            drop(st);
-            job.run();
-            st = lock(&self.inner.state);
-            st.running[slot] = None;
-            st.running_jobs -= 1;
-            if st.running_jobs == 0 && st.idle_waiters > 0 {
-                self.inner.idle.notify_all();
-            }
+            st = self.run_job(st, slot, job);
         }
         st.urgent_threads -= 1;
         st.free_slots.push(slot);
@@ -441,16 +453,7 @@ impl Pool {
                 return;
             }
             if let Some(job) = st.pop() {
-                st.running[slot] = job.abandon_handle();
-                st.running_jobs += 1;
-                drop(st);
-                job.run();
-                st = lock(&self.inner.state);
-                st.running[slot] = None;
-                st.running_jobs -= 1;
-                if st.running_jobs == 0 && st.idle_waiters > 0 {
-                    self.inner.idle.notify_all();
-                }
+                st = self.run_job(st, slot, job);
                 continue;
             }
             st.sleeping += 1;
