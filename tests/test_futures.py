@@ -445,3 +445,15 @@ def test_a_timeout_that_is_not_a_number_names_the_call(call, name):
 def test_add_done_callback_needs_a_callable():
     with pytest.raises(TypeError, match="add_done_callback: fn must be callable, got int"):
         ready_leaf().add_done_callback(3)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error"), [("x", TypeError), (True, TypeError), (float("nan"), ValueError)]
+)
+def test_a_bad_timeout_is_refused_by_a_ready_leaf_too(timeout, error):
+    x = ready_leaf(1.0)
+    assert x.exception(timeout=1) is None and float(x.result(timeout=1)[0]) == 1.0
+    with pytest.raises(error, match=r"AsyncArray.result"):
+        x.result(timeout=timeout)
+    with pytest.raises(error, match=r"AsyncArray.exception"):
+        x.exception(timeout=timeout)

@@ -23,6 +23,13 @@ from ._spec import default_sharding, timeout_seconds
 _LOG = logging.getLogger("async_array")
 
 
+def _check_timeout(timeout: Any, caller: str) -> None:
+    """A ready leaf's wait still refuses a bad ``timeout`` (a typo must not
+    pass only while data loads fast); a plain int or float costs one test."""
+    if type(timeout) not in (int, float) or timeout != timeout:
+        timeout_seconds(timeout, caller)
+
+
 class AsyncArray(jax.Array):
     """A ``jax.Array`` whose value is produced by a task that may still run.
 
@@ -206,6 +213,8 @@ class AsyncArray(jax.Array):
         """
         value = self._value
         if value is not None:
+            if timeout is not None:
+                _check_timeout(timeout, "AsyncArray.result")
             return value
         source = self._source
         if source is None:  # another thread resolved it meanwhile
@@ -229,6 +238,8 @@ class AsyncArray(jax.Array):
         """
         source = self._source
         if source is None:
+            if timeout is not None:
+                _check_timeout(timeout, "AsyncArray.exception")
             return None
         if timeout is not None:
             timeout = timeout_seconds(
