@@ -6,7 +6,7 @@
 use crate::attach::{call_or_park, park_on_thread_exit};
 use crate::error::{Error, TaskError};
 use crate::future::{Outcome, WeakFuture};
-use crate::pool::{Abandon, Job, Refusal};
+use crate::pool::{Abandon, Job, Refusal, SubmitError};
 use crate::pyfuture::{CoreFuture, PyFuture};
 use crate::runtime::pool;
 use pyo3::prelude::*;
@@ -202,19 +202,28 @@ impl Job for PyTask {
     }
 }
 
+/// Queues `func(*args)` with `queue` (`Pool::submit` or `Pool::submit_urgent`);
+/// its `Future` at once.
+fn submit_with(
+    queue: impl FnOnce(Box<dyn Job>) -> Result<(), SubmitError>,
+    func: Py<PyAny>,
+    args: Py<PyTuple>,
+) -> PyResult<PyFuture> {
+    let future = CoreFuture::new();
+    queue(Box::new(PyTask {
+        func,
+        args,
+        future: future.clone(),
+    }))
+    .map_err(|_| Error::ShutDown)?;
+    Ok(PyFuture::from(future))
+}
+
 /// Runs `func(*args)` on the pool; returns its `Future` at once.
 #[pyfunction]
 #[pyo3(signature = (func, *args))]
 pub fn submit(func: Py<PyAny>, args: Py<PyTuple>) -> PyResult<PyFuture> {
-    let future = CoreFuture::new();
-    pool()
-        .submit(Box::new(PyTask {
-            func,
-            args,
-            future: future.clone(),
-        }))
-        .map_err(|_| Error::ShutDown)?;
-    Ok(PyFuture::from(future))
+    submit_with(|job| pool().submit(job), func, args)
 }
 
 /// Runs `func(*args)` on the pool ahead of every task that is not urgent, on
@@ -223,15 +232,7 @@ pub fn submit(func: Py<PyAny>, args: Py<PyTuple>) -> PyResult<PyFuture> {
 #[pyfunction]
 #[pyo3(signature = (func, *args))]
 pub fn submit_urgent(func: Py<PyAny>, args: Py<PyTuple>) -> PyResult<PyFuture> {
-    let future = CoreFuture::new();
-    pool()
-        .submit_urgent(Box::new(PyTask {
-            func,
-            args,
-            future: future.clone(),
-        }))
-        .map_err(|_| Error::ShutDown)?;
-    Ok(PyFuture::from(future))
+    submit_with(|job| pool().submit_urgent(job), func, args)
 }
 
 /// Runs `func(*args)` for each tuple of `args_list` on the pool, queued under
