@@ -243,6 +243,46 @@ def test_exit_while_a_task_is_inside_jax_keeps_the_exit_code():
     assert proc.returncode == 3, proc.stderr
 
 
+EXIT_DURING_A_COMPILE_SCRIPT = """
+import sys, threading
+import jax.numpy as jnp
+import numpy as np
+import async_array as aa
+from async_array import _jit
+
+lowered_now = threading.Event()
+
+def compile_observed(traced):  # as _jit._compile, with a gate between lower and compile
+    lowered = traced.lower()
+    lowered_now.set()
+    return lowered.compile()
+
+_jit._compile = compile_observed
+
+def model(x):  # unrolled, so that XLA's compile outlasts the exit
+    for i in range(80):
+        x = jnp.sin(x @ x.T + i) * 0.5
+    return x.sum()
+
+x = aa.async_wrap(lambda: np.ones((64, 64), np.float32), shape=(64, 64), dtype=np.float32)
+y = aa.jit(model)(x)
+assert lowered_now.wait(60)
+sys.exit(3)
+"""
+
+
+def test_exit_during_a_compile_longer_than_the_grace_waits_for_it():
+    # A grace of 0 s: every compile outlasts it. Before, exit went on, and a
+    # compile that ended during finalization aborted the process (1 run in 10).
+    proc = run_script(
+        EXIT_DURING_A_COMPILE_SCRIPT, env={"ASYNC_ARRAY_EXIT_GRACE": "0"}, timeout=120
+    )
+    for bad in ("terminate called", "FATAL", "Fatal Python error", "Aborted", "Traceback"):
+        assert bad not in proc.stderr, proc.stderr
+    assert "async_array: exit waits for 1 aa.jit compile(s) still running" in proc.stderr
+    assert proc.returncode == 3, proc.stderr
+
+
 def test_a_bad_exit_grace_fails_at_import():
     proc = run_script("import async_array", env={"ASYNC_ARRAY_EXIT_GRACE": "soon"})
     assert proc.returncode == 1

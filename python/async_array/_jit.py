@@ -173,11 +173,11 @@ class _Compile:
         self.jaxpr = traced.jaxpr  # the table's key holds its id: keep it alive meanwhile
         self._lock = threading.Lock()
         self._waiters: list[Callable[[], None]] | None = []
-        jax_work.enter()
+        jax_work.enter(compile=True)
         try:
             self.future = _core.submit_urgent(_compile, traced)  # never behind loads
         except BaseException:
-            jax_work.leave()
+            jax_work.leave(compile=True)
             raise
 
     def watch(self) -> None:
@@ -208,7 +208,7 @@ class _Compile:
                 except Exception:  # pragma: no cover - a bug here; keep the others going
                     _LOG.exception("async_array: exception in a dispatch callback")
         finally:
-            jax_work.leave()  # nothing of the waiters (their inputs) is left to free after this
+            jax_work.leave(compile=True)  # the waiters (their inputs) are freed by now
 
 
 def _compile(traced: Any) -> Any:
@@ -312,11 +312,14 @@ def _launch(call: _Call) -> None:
         call.leaves = None
         _mark_launched(call)
         return
-    jax_work.enter()
     try:
-        task = _core.submit_urgent(_execute, call)  # its inputs are ready: run now
-    except BaseException as exc:  # the pool is shut down
-        jax_work.leave()
+        jax_work.enter()
+        try:
+            task = _core.submit_urgent(_execute, call)  # its inputs are ready: run now
+        except BaseException:
+            jax_work.leave()
+            raise
+    except BaseException as exc:  # the interpreter is exiting, or the pool is shut down
         call.leaves = None
         out.set_exception(exc)
         _mark_launched(call)

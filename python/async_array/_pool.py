@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import operator
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -83,7 +84,10 @@ class JaxWork:
     still inside XLA then crashes the process. So exit cancels queued tasks,
     runs :data:`exit_hooks`, waits for running tasks (a task's own ``jnp``
     calls may be inside JAX), then for this count to reach zero, all within
-    :func:`exit_grace` seconds, and refuses new JAX work.
+    :func:`exit_grace` seconds, and refuses new JAX work. Compiles (counted
+    with ``enter(compile=True)``) are waited for past the grace, with a line
+    on stderr: XLA's compiler cannot be stopped, always ends, and one that
+    ended during finalization aborted the process.
 
     At ``os.fork()`` the same count is drained first (at most
     :data:`FORK_GRACE` seconds) and new JAX work waits until the fork is done:
@@ -96,17 +100,19 @@ class JaxWork:
     on a condition that the last ``leave()`` wakes.
     """
 
-    __slots__ = ("_active", "_changed", "_exiting", "_forking")
+    __slots__ = ("_active", "_changed", "_compiles", "_exiting", "_forking")
 
     def __init__(self) -> None:
         self._changed = threading.Condition(threading.Lock())
         self._active = 0
+        self._compiles = 0
         self._exiting = False
         self._forking = False
 
-    def enter(self) -> None:
-        """Counts one more piece of work; while a fork is under way, waits
-        for it first.
+    def enter(self, compile: bool = False) -> None:
+        """Counts one more piece of work (``compile=True``: an XLA compile,
+        which exit waits for past the grace); while a fork is under way,
+        waits for it first.
 
         Raises:
           RuntimeError: the interpreter is exiting.
@@ -119,11 +125,14 @@ class JaxWork:
                     "async_array: the interpreter is exiting; no new work goes to JAX"
                 )
             self._active += 1
+            self._compiles += compile
 
-    def leave(self) -> None:
+    def leave(self, compile: bool = False) -> None:
+        """Ends what ``enter(compile)`` with the same ``compile`` counted."""
         with self._changed:
             self._active -= 1
-            if self._active <= 0:
+            self._compiles -= compile
+            if self._active <= 0 or (compile and self._compiles <= 0):
                 self._changed.notify_all()
 
     def __enter__(self) -> None:
@@ -133,9 +142,22 @@ class JaxWork:
         self.leave()
 
     def drain(self, timeout: float) -> bool:
-        """Refuses new work, then waits up to ``timeout`` seconds for the rest."""
+        """Refuses new work, then waits up to ``timeout`` seconds for the rest,
+        and for compiles as long as they run; true when nothing is left."""
         with self._changed:
             self._exiting = True
+            if self._changed.wait_for(lambda: self._active <= 0, timeout):
+                return True
+            if self._compiles <= 0:
+                return False
+            print(
+                f"async_array: exit waits for {self._compiles} aa.jit compile(s) still "
+                "running: a thread inside XLA's compiler cannot be stopped, and "
+                "ending it aborts the process",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._changed.wait_for(lambda: self._compiles <= 0)
             return self._changed.wait_for(lambda: self._active <= 0, timeout)
 
     def before_fork(self) -> None:
