@@ -41,6 +41,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runtime::default_max_workers, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::pool_stats, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::shutdown, m)?)?;
+    m.add_function(wrap_pyfunction!(runtime::exiting, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::wait_for_running_tasks, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::_after_fork_child, m)?)?;
     m.add_function(wrap_pyfunction!(hostbuffer::live_host_buffers, m)?)?;

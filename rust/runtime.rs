@@ -9,6 +9,7 @@ use crate::wait::{deadline_after, wait_detached};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 static POOL: OnceLock<Pool> = OnceLock::new();
@@ -62,9 +63,19 @@ pub fn pool_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// Set by [`shutdown`], at interpreter exit.
+static EXITING: AtomicBool = AtomicBool::new(false);
+
+/// True once the interpreter's exit has begun ([`shutdown`] was called).
+#[pyfunction]
+pub fn exiting() -> bool {
+    EXITING.load(Ordering::Acquire)
+}
+
 /// At interpreter exit: cancels queued tasks; running ones are not waited for.
 #[pyfunction]
 pub fn shutdown() {
+    EXITING.store(true, Ordering::Release);
     pool().shutdown();
 }
 

@@ -8,7 +8,7 @@ use crate::error::{Error, TaskError};
 use crate::future::{Outcome, WeakFuture};
 use crate::pool::{Abandon, Job, Refusal, SubmitError};
 use crate::pyfuture::{CoreFuture, PyFuture};
-use crate::runtime::pool;
+use crate::runtime::{exiting, pool};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use std::cell::{Cell, RefCell};
@@ -147,6 +147,13 @@ impl PyTask {
             f.complete(outcome);
         });
         RUNNING.with(|r| r.set(std::ptr::null())); // also after a Rust panic
+        if exiting() && future.is_sole_handle() {
+            // The value would be freed here, and freeing jax.Arrays enters
+            // JAX's C++, where a thread that finalization ends aborts the
+            // process (seen with 300k leaves freed as exit began). The
+            // process is ending: its memory goes with it.
+            std::mem::forget(future);
+        }
     }
 }
 

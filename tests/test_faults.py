@@ -279,7 +279,45 @@ def test_exit_during_a_compile_longer_than_the_grace_waits_for_it():
     )
     for bad in ("terminate called", "FATAL", "Fatal Python error", "Aborted", "Traceback"):
         assert bad not in proc.stderr, proc.stderr
-    assert "async_array: exit waits for 1 aa.jit compile(s) still running" in proc.stderr
+    assert "async_array: exit waits for 1 piece(s) of work inside JAX" in proc.stderr
+    assert proc.returncode == 3, proc.stderr
+
+
+EXIT_AS_A_TASK_FREES_ITS_VALUE_SCRIPT = """
+import contextlib, sys, threading
+import jax
+import numpy as np
+import async_array as aa
+from async_array import _wrap
+
+converting = threading.Event()
+_paused_gc = _wrap.paused_gc
+
+@contextlib.contextmanager
+def observed():  # as _wrap.paused_gc, telling when the hand-off to JAX starts
+    converting.set()
+    with _paused_gc():
+        yield
+
+_wrap.paused_gc = observed
+n = 200_000
+like = {f"w{i}": jax.ShapeDtypeStruct((16,), np.float32) for i in range(n)}
+values = {k: np.ones((16,), np.float32) for k in like}
+tree = aa.async_wrap(lambda: values, like=like)
+del tree  # the task alone holds its value now: the worker frees 200k jax.Arrays
+assert converting.wait(60)
+sys.exit(3)
+"""
+
+
+def test_exit_while_a_task_frees_its_jax_arrays_keeps_the_exit_code():
+    # Freeing a jax.Array enters JAX's C++; a worker doing so when
+    # finalization began was ended there and aborted the process (3 of 3).
+    proc = run_script(
+        EXIT_AS_A_TASK_FREES_ITS_VALUE_SCRIPT, env={"ASYNC_ARRAY_EXIT_GRACE": "0"}, timeout=120
+    )
+    for bad in ("terminate called", "FATAL", "Fatal Python error", "Aborted", "Traceback"):
+        assert bad not in proc.stderr, proc.stderr
     assert proc.returncode == 3, proc.stderr
 
 

@@ -173,11 +173,11 @@ class _Compile:
         self.jaxpr = traced.jaxpr  # the table's key holds its id: keep it alive meanwhile
         self._lock = threading.Lock()
         self._waiters: list[Callable[[], None]] | None = []
-        jax_work.enter(compile=True)
+        jax_work.enter()
         try:
             self.future = _core.submit_urgent(_compile, traced)  # never behind loads
         except BaseException:
-            jax_work.leave(compile=True)
+            jax_work.leave()
             raise
 
     def watch(self) -> None:
@@ -208,7 +208,7 @@ class _Compile:
                 except Exception:  # pragma: no cover - a bug here; keep the others going
                     _LOG.exception("async_array: exception in a dispatch callback")
         finally:
-            jax_work.leave(compile=True)  # the waiters (their inputs) are freed by now
+            jax_work.leave()  # the waiters (their inputs) are freed by now
 
 
 def _compile(traced: Any) -> Any:

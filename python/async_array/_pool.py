@@ -84,10 +84,10 @@ class JaxWork:
     still inside XLA then crashes the process. So exit cancels queued tasks,
     runs :data:`exit_hooks`, waits for running tasks (a task's own ``jnp``
     calls may be inside JAX), then for this count to reach zero, all within
-    :func:`exit_grace` seconds, and refuses new JAX work. Compiles (counted
-    with ``enter(compile=True)``) are waited for past the grace, with a line
-    on stderr: XLA's compiler cannot be stopped, always ends, and one that
-    ended during finalization aborted the process.
+    :func:`exit_grace` seconds, and refuses new JAX work. This count is
+    waited for past the grace, with a line on stderr: the library's own JAX
+    work (a hand-off, an ``aa.jit`` compile or run) cannot be stopped, ends,
+    and a thread that came out of it during finalization aborted the process.
 
     At ``os.fork()`` the same count is drained first (at most
     :data:`FORK_GRACE` seconds) and new JAX work waits until the fork is done:
@@ -100,19 +100,17 @@ class JaxWork:
     on a condition that the last ``leave()`` wakes.
     """
 
-    __slots__ = ("_active", "_changed", "_compiles", "_exiting", "_forking")
+    __slots__ = ("_active", "_changed", "_exiting", "_forking")
 
     def __init__(self) -> None:
         self._changed = threading.Condition(threading.Lock())
         self._active = 0
-        self._compiles = 0
         self._exiting = False
         self._forking = False
 
-    def enter(self, compile: bool = False) -> None:
-        """Counts one more piece of work (``compile=True``: an XLA compile,
-        which exit waits for past the grace); while a fork is under way,
-        waits for it first.
+    def enter(self) -> None:
+        """Counts one more piece of work; while a fork is under way, waits
+        for it first.
 
         Raises:
           RuntimeError: the interpreter is exiting.
@@ -125,14 +123,11 @@ class JaxWork:
                     "async_array: the interpreter is exiting; no new work goes to JAX"
                 )
             self._active += 1
-            self._compiles += compile
 
-    def leave(self, compile: bool = False) -> None:
-        """Ends what ``enter(compile)`` with the same ``compile`` counted."""
+    def leave(self) -> None:
         with self._changed:
             self._active -= 1
-            self._compiles -= compile
-            if self._active <= 0 or (compile and self._compiles <= 0):
+            if self._active <= 0:
                 self._changed.notify_all()
 
     def __enter__(self) -> None:
@@ -142,23 +137,22 @@ class JaxWork:
         self.leave()
 
     def drain(self, timeout: float) -> bool:
-        """Refuses new work, then waits up to ``timeout`` seconds for the rest,
-        and for compiles as long as they run; true when nothing is left."""
+        """Refuses new work, then waits for the work inside JAX to end: up to
+        ``timeout`` seconds quietly, then as long as it runs, saying so on
+        stderr once. Returns false when it waited past ``timeout``."""
         with self._changed:
             self._exiting = True
             if self._changed.wait_for(lambda: self._active <= 0, timeout):
                 return True
-            if self._compiles <= 0:
-                return False
             print(
-                f"async_array: exit waits for {self._compiles} aa.jit compile(s) still "
-                "running: a thread inside XLA's compiler cannot be stopped, and "
-                "ending it aborts the process",
+                f"async_array: exit waits for {self._active} piece(s) of work inside JAX "
+                "(a hand-off, an aa.jit compile or run) to end: a thread stopped inside "
+                "JAX's C++ aborts the process",
                 file=sys.stderr,
                 flush=True,
             )
-            self._changed.wait_for(lambda: self._compiles <= 0)
-            return self._changed.wait_for(lambda: self._active <= 0, timeout)
+            self._changed.wait_for(lambda: self._active <= 0)
+            return False
 
     def before_fork(self) -> None:
         """Holds off new JAX work and waits (at most :data:`FORK_GRACE`
@@ -208,7 +202,8 @@ exit_hooks: list[Callable[[], None]] = []
 
 
 def _at_exit() -> None:
-    deadline = time.monotonic() + exit_grace()
+    grace = exit_grace()
+    deadline = time.monotonic() + grace
     _core.shutdown()  # queued tasks are cancelled
     for hook in exit_hooks:
         hook()
@@ -218,7 +213,10 @@ def _at_exit() -> None:
     # known, so wait for running tasks, as concurrent.futures waits for its
     # workers; bounded, since a task may also sleep for an hour.
     _core.wait_for_running_tasks(max(0.0, deadline - time.monotonic()))
-    jax_work.drain(max(0.0, deadline - time.monotonic()))
+    if not jax_work.drain(max(0.0, deadline - time.monotonic())):
+        # Past the grace, the tasks whose hand-off just ended still free their
+        # results (JAX's C++ again): a short wait more.
+        _core.wait_for_running_tasks(min(grace, 2.0))
 
 
 exit_grace()  # a bad value fails at import, not silently at exit

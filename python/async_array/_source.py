@@ -151,7 +151,11 @@ class Source:
 
 
 def _log_unretrieved(name: str, fut: _core.Future) -> None:
-    """Logs the exception of a finished task whose leaves are all gone."""
+    """Logs the exception of a finished task whose leaves are all gone,
+    unless the interpreter is exiting: a task that the exit stopped fails
+    with that, and concurrent.futures logs nothing then either."""
+    if _core.exiting():
+        return
     values = fut.peek()
     if values is not None:
         exc = next((v for v in values if isinstance(v, BaseException)), None)
