@@ -299,30 +299,30 @@ def test_progress_callable_gets_bytes_done_and_total(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kwargs,error",
+    "kwargs,error,message",
     [
-        ({"max_bytes_in_flight": 0}, ValueError),
-        ({"max_bytes_in_flight": 1.5}, TypeError),
-        ({"retries": -1}, TypeError),
-        ({"timeout": "soon"}, TypeError),
-        ({"progress": 3}, TypeError),
+        ({"max_bytes_in_flight": 0}, ValueError, "max_bytes_in_flight must be a positive int"),
+        ({"max_bytes_in_flight": -5}, ValueError, "max_bytes_in_flight .* got -5"),
+        ({"max_bytes_in_flight": 1.5}, TypeError, "max_bytes_in_flight .* got float 1.5"),
+        ({"retries": -1}, ValueError, r"retries must be an int from 0 to \d+, got -1"),
+        ({"retries": 2**32}, ValueError, r"retries must be an int from 0 to \d+, got 4294967296"),
+        ({"retries": 1.0}, TypeError, "retries must be an int .* got float 1.0"),
+        ({"timeout": "soon"}, TypeError, "timeout must be a positive number .* got str 'soon'"),
+        ({"timeout": 0}, ValueError, "timeout must be a positive number of seconds or None, got 0"),
+        ({"timeout": -1.0}, ValueError, "timeout must be a positive number .* got -1.0"),
+        ({"timeout": float("nan")}, ValueError, "timeout must be a positive number .* got nan"),
+        ({"progress": 3}, TypeError, "progress must be"),
     ],
 )
-def test_bad_arguments_raise_at_the_call(tmp_path, kwargs, error):
+def test_bad_arguments_raise_at_the_call(tmp_path, kwargs, error, message):
     path = tmp_path / "m.safetensors"
     safetensors.numpy.save_file({"a": np.zeros(1, np.float32)}, str(path))
-    with pytest.raises(error):
+    with pytest.raises(error, match=f"^load_safetensors: {message}"):
         aa.load_safetensors(path, **kwargs)
+    with pytest.raises(error, match=f"^load_safetensors: {message}"):
+        aa.load_safetensors(path, like={"a": jax.ShapeDtypeStruct((1,), np.float32)}, **kwargs)
     with pytest.raises(TypeError, match="source must be a path"):
         aa.load_safetensors(3)
-
-
-def test_sharding_is_not_supported_yet(tmp_path):
-    path = tmp_path / "m.safetensors"
-    safetensors.numpy.save_file({"a": np.zeros(1, np.float32)}, str(path))
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    with pytest.raises(NotImplementedError, match="sharding= is not supported yet"):
-        aa.load_safetensors(path, sharding=sharding)
 
 
 def test_a_raising_progress_callback_is_logged_and_the_load_goes_on(tmp_path, caplog):
