@@ -325,6 +325,27 @@ def test_bad_arguments_raise_at_the_call(tmp_path, kwargs, error, message):
         aa.load_safetensors(3)
 
 
+def test_a_header_failure_seen_once_is_not_logged_for_the_other_leaves(tmp_path, async_array_log):
+    """With like=, a missing file fails every leaf; the user who got that
+    exception from one leaf retrieved it: nothing is logged when the leaves go."""
+    import gc
+
+    like = {k: jax.ShapeDtypeStruct((1,), np.float32) for k in "abc"}
+    tree = aa.load_safetensors(tmp_path / "nope.safetensors", like=like)
+    with pytest.raises(FileNotFoundError):
+        aa.materialize(tree, timeout=30)
+    del tree
+    gc.collect()
+    # Nobody retrieves the second load's: one record for the call, not three.
+    tree = aa.load_safetensors(tmp_path / "nope.safetensors", like=like)
+    aa.wait(tree, timeout=30)
+    del tree
+    gc.collect()
+    records = async_array_log.wait_for(1, "the unretrieved failure to be logged")
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert "failed and no leaf's exception was ever retrieved" in records[0].getMessage()
+
+
 def test_a_raising_progress_callback_is_logged_and_the_load_goes_on(tmp_path, caplog):
     arrays = {f"t{i}": np.full(10, i, np.int32) for i in range(4)}
     path = tmp_path / "m.safetensors"

@@ -24,6 +24,7 @@ from ._errors import shallow_copy
 from ._map import _one_source_a_leaf
 from ._pool import jax_work
 from ._shards import Layout, index_text, layout, shard_host
+from ._source import Call
 from ._spec import LeafSpecs, declare_tree
 from ._tree import paused_gc
 
@@ -631,7 +632,9 @@ def load_safetensors(
         specs = declare_tree(LeafSpecs(name, like, treedef, paths), [s for _, s in flat], sharding)
         names = [_tensor_name(p) for p in paths]
         futures = [_core.Future() for _ in paths]
-        leaves = _one_source_a_leaf(specs, futures)
+        # One call: an exception retrieved from any leaf counts for all (a
+        # header that fails fails every leaf; one report, not one a leaf).
+        leaves = _one_source_a_leaf(specs, futures, Call())
         load = _Load(specs, names, futures, max_bytes_in_flight, callback)
         if where is not None:
             load.plan(where, source)
