@@ -549,17 +549,32 @@ def load_safetensors(
         shape or dtype differs with ``ValueError`` naming the tensor, the
         expected and the found shape and dtype. Tensors that ``like`` lacks
         are not read.
-      sharding: not supported yet: must be None (leaves land uncommitted on
-        the default device, as ``async_wrap``'s).
+      sharding: None (each leaf lands uncommitted on the default device,
+        as ``async_wrap``'s), or where to put the tensors, as
+        ``jax.device_put`` takes it: one placement for every tensor, or a
+        dict of them shaped like the result (by tensor name, or nested as
+        ``like``); a placement is a ``NamedSharding`` (sharded, partially
+        replicated or replicated), a ``SingleDeviceSharding``, a
+        ``jax.Device``, or a ``PartitionSpec`` under ``jax.set_mesh``. A
+        ``like`` leaf's own ``.sharding`` is used where this is None. Each
+        tensor is read once per distinct index among this process's devices
+        (a replica is read once and placed on every local device holding
+        it); under ``jax.distributed`` each process reads only its shards
+        and the leaf is the global array. A shard split on axis 0 is one
+        byte range; split on a later axis it is one run of bytes a row:
+        from a file exactly those runs are read (``preadv`` into the shard's
+        memory), over HTTP runs at most 64 KiB apart share one request.
       max_bytes_in_flight: at most this many bytes (int, > 0) are allocated
-        for tensors and not yet handed to JAX; a read larger than this runs
-        alone. None: no bound.
-      timeout: seconds (None: none) that each HTTP request may take in all,
-        from connecting to its last byte, its retries included: a server that
-        trickles bytes fails within it. Files take no timeout.
-      retries: how often (int >= 0) an HTTP request that failed to connect,
-        lost its connection before the response, or got a 5xx is retried,
-        after 0.1 s, then twice as long each time (at most 5 s).
+        for tensors (or shards) and not yet handed to JAX; a read larger than
+        this runs alone. None: no bound.
+      timeout: seconds (a positive number; None: none) that each HTTP request
+        may take in all, from connecting to its last byte, its retries
+        included: a server that trickles bytes fails within it. Files take
+        no timeout.
+      retries: how often (an int from 0 to 2**32 - 1) an HTTP request that
+        failed to connect, lost its connection (before or during the body:
+        the retry asks only for the bytes not yet received), or got a 5xx is
+        retried, after 0.1 s, then twice as long each time (at most 5 s).
       progress: False; True for one ``tqdm`` progress bar on stderr (bytes,
         MB/s, ETA; nothing when ``tqdm`` is not installed); or a callable,
         called on a pool thread as ``progress(bytes_done, bytes_total)`` after
@@ -567,7 +582,8 @@ def load_safetensors(
 
     Returns:
       A dict of ``AsyncArray`` by tensor name in file order (``like=None``), or
-      a tree shaped like ``like``. Shapes are the header's; dtypes are the
+      a tree shaped like ``like``, each leaf committed to its sharding when
+      one is given. Shapes are the header's (global shapes); dtypes are the
       header's (``BOOL`` bool, ``U8``-``U64``/``I8``-``I64`` uint8-uint64 and
       int8-int64, ``F16`` float16, ``BF16`` bfloat16, ``F32`` float32, ``F64``
       float64, ``F8_E4M3`` float8_e4m3fn, ``F8_E5M2`` float8_e5m2), except
@@ -582,18 +598,24 @@ def load_safetensors(
         object, a missing or unknown dtype, offsets out of bounds, overlapping,
         or not matching shape x itemsize; the message names the file, the
         tensor and the byte range. Nothing larger than the file is allocated.
-      OSError: a read failed: 5xx or connection errors beyond ``retries``, a
-        truncated body, a wrong ``Content-Range`` or ``Content-Length``, a
-        server that ignores Range, a refused certificate (from the leaves of
-        that read, naming the URL, the tensors and the byte range).
+      OSError: a read failed: 5xx, connection errors or a body cut short
+        beyond ``retries``, a wrong ``Content-Range`` or ``Content-Length``, a
+        server that ignores Range, a refused certificate. Each leaf of that
+        read fails with its own error, naming the URL or path, its own tensor
+        (and shard) and its own byte range, never a neighbour's.
       TimeoutError: a request ran past ``timeout``.
       KeyError: an index names a tensor its file lacks.
-      TypeError: bad arguments.
-      NotImplementedError: ``sharding`` given.
+      FileNotFoundError: an index names a file that does not exist (the
+        message names the index, the file and the tensors it was to hold).
+      TypeError, ValueError: bad arguments, at the call, naming
+        ``load_safetensors``, the argument, what it must be and what came; a
+        sharding that does not divide a tensor's shape (``jax.device_put``'s
+        own error, naming the leaf).
 
     Note:
-      Zero-copy: each tensor's memory becomes its ``jax.Array``'s (on one
-      CPU device). Float8 tensors are copied once (DLPack has no code JAX
+      Zero-copy: each tensor's (or shard's) memory becomes its
+      ``jax.Array``'s on CPU devices (one buffer for every device holding a
+      replica). Float8 tensors are copied once (DLPack has no code JAX
       takes for them), as are 64-bit tensors narrowed to 32 bits.
 
     Examples:
