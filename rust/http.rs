@@ -4,7 +4,6 @@
 //!
 //! Plain Rust. Every error names the URL and the byte range.
 
-use crate::buffer::AlignedBuf;
 use crate::error::Error;
 use crate::safetensors::{header_len, parse_header, TensorInfo, FIRST_READ};
 use std::io::Read;
@@ -64,9 +63,12 @@ impl Http {
         })
     }
 
-    /// Reads bytes `[start, end)` of `url` into `out` (of length `end - start`),
-    /// retrying connection errors and 5xx. Returns the file's total size from
-    /// `Content-Range`. `what` names the read in errors (the tensor, say).
+    /// Reads bytes `[start, end)` of `url`, passing them in order to `sink`,
+    /// retrying connection errors, a connection lost mid-body (the next
+    /// attempt asks only for the bytes not yet received) and 5xx, with
+    /// exponential backoff. Returns the file's total size from
+    /// `Content-Range`. The caller names the read: a [`Failure`] carries only
+    /// what went wrong.
     ///
     /// With `upto`, a file shorter than `end` is no error: the server's
     /// shorter range (`bytes start-(size-1)/size`) is read (a header's first read).
@@ -76,24 +78,37 @@ impl Http {
         start: u64,
         end: u64,
         upto: bool,
-        what: &str,
         sink: &mut dyn FnMut(&[u8]),
-    ) -> Result<u64, Error> {
+    ) -> Result<u64, Failure> {
+        if end <= start {
+            return Err(Failure::invalid("an empty range cannot be requested"));
+        }
         let deadline = self.timeout.and_then(|t| Instant::now().checked_add(t));
         let mut backoff = FIRST_BACKOFF;
         let mut attempt = 0;
+        let mut got = 0u64;
+        let (mut end, mut upto) = (end, upto);
         loop {
-            match self.attempt(url, start, end, upto, what, deadline, sink) {
+            let from = start + got;
+            match self.attempt(url, from, end, upto, deadline, &mut got, sink) {
                 Ok(total) => return Ok(total),
-                Err(Attempt::Fatal(e)) => return Err(e),
-                Err(Attempt::Retry(e)) => {
+                Err(Attempt::Fatal(f)) => return Err(f),
+                Err(Attempt::Retry { detail, total }) => {
+                    if let Some(total) = total {
+                        // The size is known now: a resumed request asks for the rest exactly.
+                        end = end.min(total);
+                        upto = false;
+                    }
                     if attempt >= self.retries {
-                        return Err(Error::Io(format!("{e} (after {} attempts)", attempt + 1)));
+                        return Err(Failure::io(format!(
+                            "{detail} (after {} attempts)",
+                            attempt + 1
+                        )));
                     }
                     let now = Instant::now();
                     if deadline.is_some_and(|d| now + backoff >= d) {
-                        return Err(Error::Deadline(format!(
-                            "{e}; no time left for a retry within the {} s timeout",
+                        return Err(Failure::deadline(format!(
+                            "{detail}; no time left for a retry within the {} s timeout",
                             self.timeout.unwrap_or_default().as_secs_f64()
                         )));
                     }
@@ -105,6 +120,8 @@ impl Http {
         }
     }
 
+    /// One request for bytes `[start, end)`; `got` counts the bytes passed to
+    /// `sink` (across attempts: the caller resumes after them).
     #[allow(clippy::too_many_arguments)]
     fn attempt(
         &self,
@@ -112,14 +129,13 @@ impl Http {
         start: u64,
         mut end: u64,
         upto: bool,
-        what: &str,
         deadline: Option<Instant>,
+        got: &mut u64,
         sink: &mut dyn FnMut(&[u8]),
     ) -> Result<u64, Attempt> {
-        let here = format!("{url}: {what} (bytes [{start}, {end}))");
         let timed_out = || {
-            Attempt::Fatal(Error::Deadline(format!(
-                "{here}: not finished within the {} s timeout",
+            Attempt::Fatal(Failure::deadline(format!(
+                "not finished within the {} s timeout",
                 self.timeout.unwrap_or_default().as_secs_f64()
             )))
         };
@@ -130,11 +146,10 @@ impl Http {
                 _ => return Err(timed_out()),
             },
         };
-        if end <= start {
-            return Err(Attempt::Fatal(Error::InvalidArgument(format!(
-                "{here}: an empty range cannot be requested"
-            ))));
-        }
+        let retry = |detail: String| Attempt::Retry {
+            detail,
+            total: None,
+        };
         let response = self
             .agent
             .get(url)
@@ -148,38 +163,35 @@ impl Http {
             Err(ureq::Error::Timeout(_)) => return Err(timed_out()),
             // A certificate refused (rustls errors come as InvalidData): no retry helps.
             Err(ureq::Error::Io(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
-                return Err(Attempt::Fatal(Error::Io(format!("{here}: {e}"))))
+                return Err(Attempt::Fatal(Failure::io(e.to_string())))
             }
             Err(
                 e @ (ureq::Error::Io(_)
                 | ureq::Error::ConnectionFailed
                 | ureq::Error::HostNotFound
                 | ureq::Error::Protocol(_)),
-            ) => return Err(Attempt::Retry(format!("{here}: {e}"))),
-            Err(e) => return Err(Attempt::Fatal(Error::Io(format!("{here}: {e}")))),
+            ) => return Err(retry(e.to_string())),
+            Err(e) => return Err(Attempt::Fatal(Failure::io(e.to_string()))),
         };
         let status = response.status().as_u16();
         match status {
             206 => {}
             404 | 410 => {
-                return Err(Attempt::Fatal(Error::NotFound(format!(
-                    "{here}: HTTP {status} (not found)"
+                return Err(Attempt::Fatal(Failure::not_found(format!(
+                    "HTTP {status} (not found)"
                 ))))
             }
-            500..=599 => {
-                return Err(Attempt::Retry(format!(
-                    "{here}: HTTP {status} (server error)"
+            500..=599 => return Err(retry(format!("HTTP {status} (server error)"))),
+            200 => {
+                return Err(Attempt::Fatal(Failure::io(
+                    "HTTP 200: the server ignored the Range request (it must answer \
+                     206 Partial Content)"
+                        .into(),
                 )))
             }
-            200 => {
-                return Err(Attempt::Fatal(Error::Io(format!(
-                    "{here}: HTTP 200: the server ignored the Range request (it must answer \
-                     206 Partial Content)"
-                ))))
-            }
             _ => {
-                return Err(Attempt::Fatal(Error::Io(format!(
-                    "{here}: HTTP {status} (expected 206 Partial Content)"
+                return Err(Attempt::Fatal(Failure::io(format!(
+                    "HTTP {status} (expected 206 Partial Content)"
                 ))))
             }
         }
@@ -195,8 +207,8 @@ impl Http {
             .as_deref()
             .and_then(|v| parse_content_range(v, start, end, upto))
             .ok_or_else(|| {
-                Attempt::Fatal(Error::Io(format!(
-                    "{here}: wrong Content-Range {:?} (expected \"bytes {start}-{}/<size>\")",
+                Attempt::Fatal(Failure::io(format!(
+                    "wrong Content-Range {:?} (expected \"bytes {start}-{}/<size>\")",
                     content_range.as_deref().unwrap_or("(none)"),
                     end - 1
                 )))
@@ -204,8 +216,8 @@ impl Http {
         end = end.min(total);
         if let Some(length) = header("content-length") {
             if length.trim().parse::<u64>().ok() != Some(end - start) {
-                return Err(Attempt::Fatal(Error::Io(format!(
-                    "{here}: wrong Content-Length {length:?} (expected {})",
+                return Err(Attempt::Fatal(Failure::io(format!(
+                    "wrong Content-Length {length:?} (expected {})",
                     end - start
                 ))));
             }
@@ -215,23 +227,26 @@ impl Http {
             .with_config()
             .limit(end - start)
             .reader();
-        let mut got = 0u64;
+        let origin = start - *got; // the first byte the caller asked for
+        let wanted = end - origin;
         let mut chunk = vec![0u8; 256 * 1024];
-        while got < end - start {
+        let mut here = 0u64;
+        // The connection ended before the body did: retried, asking for the rest.
+        let cut = |got: u64, cause: String| Attempt::Retry {
+            detail: format!("truncated body: {got} of {wanted} bytes received{cause}"),
+            total: Some(total),
+        };
+        while here < end - start {
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(timed_out());
             }
-            let want = ((end - start - got) as usize).min(chunk.len());
+            let want = ((end - start - here) as usize).min(chunk.len());
             match reader.read(&mut chunk[..want]) {
-                Ok(0) => {
-                    return Err(Attempt::Fatal(Error::Io(format!(
-                        "{here}: truncated body: {got} of {} bytes received",
-                        end - start
-                    ))))
-                }
+                Ok(0) => return Err(cut(*got, String::new())),
                 Ok(n) => {
                     sink(&chunk[..n]);
-                    got += n as u64;
+                    here += n as u64;
+                    *got += n as u64;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Err(timed_out()),
@@ -243,10 +258,7 @@ impl Http {
                     if timeout {
                         return Err(timed_out());
                     }
-                    return Err(Attempt::Fatal(Error::Io(format!(
-                        "{here}: truncated body: {got} of {} bytes received ({e})",
-                        end - start
-                    ))));
+                    return Err(cut(*got, format!(" ({e})")));
                 }
             }
         }
@@ -255,9 +267,68 @@ impl Http {
 }
 
 enum Attempt {
-    /// A connection error or 5xx: the message.
-    Retry(String),
-    Fatal(Error),
+    /// A connection error, a body cut short, or a 5xx: the message, and the
+    /// file's size when the response gave it.
+    Retry {
+        detail: String,
+        total: Option<u64>,
+    },
+    Fatal(Failure),
+}
+
+/// What kind of failure a read met (which Python exception it becomes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    NotFound,
+    Io,
+    Deadline,
+    Invalid,
+}
+
+/// Why a read failed, without naming the read: the caller knows which file,
+/// tensor and bytes it was and names them with [`Failure::at`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub detail: String,
+}
+
+impl Failure {
+    pub fn io(detail: String) -> Failure {
+        Failure {
+            kind: FailureKind::Io,
+            detail,
+        }
+    }
+    pub fn not_found(detail: String) -> Failure {
+        Failure {
+            kind: FailureKind::NotFound,
+            detail,
+        }
+    }
+    pub fn deadline(detail: String) -> Failure {
+        Failure {
+            kind: FailureKind::Deadline,
+            detail,
+        }
+    }
+    pub fn invalid(detail: &str) -> Failure {
+        Failure {
+            kind: FailureKind::Invalid,
+            detail: detail.to_owned(),
+        }
+    }
+
+    /// The error, its message starting with `here` (the URL, what was read and its bytes).
+    pub fn at(&self, here: &str) -> Error {
+        let message = format!("{here}: {}", self.detail);
+        match self.kind {
+            FailureKind::NotFound => Error::NotFound(message),
+            FailureKind::Io => Error::Io(message),
+            FailureKind::Deadline => Error::Deadline(message),
+            FailureKind::Invalid => Error::InvalidArgument(message),
+        }
+    }
 }
 
 /// The total size from `Content-Range: bytes start-last/total`, if it matches
@@ -286,17 +357,18 @@ impl RemoteFile {
     /// second only for a longer header (never more than the file's size).
     pub fn open(url: &str, http: Http) -> Result<RemoteFile, Error> {
         let mut first = Vec::new();
-        let len = http.read_range(url, 0, FIRST_READ, true, "header", &mut |b| {
-            first.extend_from_slice(b)
-        })?;
+        let len = http
+            .read_range(url, 0, FIRST_READ, true, &mut |b| {
+                first.extend_from_slice(b)
+            })
+            .map_err(|f| f.at(&format!("{url}: header (bytes [0, {FIRST_READ}))")))?;
         let n = header_len(url, &first, len).map_err(Error::Format)?;
         let json = if 8 + n <= first.len() as u64 {
             first[8..(8 + n) as usize].to_vec()
         } else {
             let mut rest = Vec::with_capacity(n as usize);
-            http.read_range(url, 8, 8 + n, false, "header", &mut |b| {
-                rest.extend_from_slice(b)
-            })?;
+            http.read_range(url, 8, 8 + n, false, &mut |b| rest.extend_from_slice(b))
+                .map_err(|f| f.at(&format!("{url}: header (bytes [8, {}))", 8 + n)))?;
             rest
         };
         let tensors = parse_header(url, &json, len).map_err(Error::Format)?;
@@ -306,72 +378,6 @@ impl RemoteFile {
             len,
             tensors,
         })
-    }
-
-    /// Reads the tensors `indices` (in file order, as the caller grouped
-    /// them) with one range request from the first's start to the last's
-    /// end, into new aligned memory each; bytes between them are skipped.
-    pub fn read_group(&self, indices: &[usize]) -> Result<Vec<AlignedBuf>, Error> {
-        let tensors: Vec<&TensorInfo> = indices.iter().map(|&i| &self.tensors[i]).collect();
-        if tensors.windows(2).any(|w| w[1].start < w[0].end) {
-            return Err(Error::InvalidArgument(
-                "RemoteFile.read_group: tensors must be in file order".into(),
-            ));
-        }
-        let (Some(first), Some(last)) = (tensors.first(), tensors.last()) else {
-            return Ok(Vec::new());
-        };
-        let (start, end) = (first.start, last.end);
-        let buffers = tensors
-            .iter()
-            .map(|t| {
-                let n = t.nbytes() as usize;
-                AlignedBuf::uninit(n).ok_or(Error::OutOfMemory(n))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let what = if tensors.len() == 1 {
-            format!("tensor {:?}", first.name)
-        } else {
-            format!(
-                "tensors {:?} to {:?} ({} tensors)",
-                first.name,
-                last.name,
-                tensors.len()
-            )
-        };
-        if end > start {
-            let mut pos = start;
-            let mut k = 0;
-            self.http
-                .read_range(&self.url, start, end, false, &what, &mut |mut chunk| {
-                    while !chunk.is_empty() && k < tensors.len() {
-                        let t = tensors[k];
-                        if pos < t.start {
-                            let skip = ((t.start - pos) as usize).min(chunk.len());
-                            chunk = &chunk[skip..];
-                            pos += skip as u64;
-                            continue;
-                        }
-                        let n = ((t.end - pos) as usize).min(chunk.len());
-                        let at = (pos - t.start) as usize;
-                        // SAFETY: `buffers[k]` owns `t.nbytes()` bytes, nobody else
-                        // sees it yet, and `at + n <= t.end - t.start`.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                chunk.as_ptr(),
-                                buffers[k].as_ptr().add(at),
-                                n,
-                            )
-                        };
-                        chunk = &chunk[n..];
-                        pos += n as u64;
-                        if pos == t.end {
-                            k += 1;
-                        }
-                    }
-                })?;
-        }
-        Ok(buffers)
     }
 }
 

@@ -12,6 +12,7 @@ pub mod http;
 pub mod locks;
 pub mod pool;
 pub mod pyfuture;
+pub mod readplan;
 pub mod runtime;
 pub mod safetensors;
 pub mod stfile;
@@ -46,5 +47,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runtime::_after_fork_child, m)?)?;
     m.add_function(wrap_pyfunction!(hostbuffer::live_host_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(stfile::read_url_prefix, m)?)?;
+    m.add_function(wrap_pyfunction!(stfile::tensor_bytes_read, m)?)?;
     Ok(())
 }

@@ -9,7 +9,6 @@
 //! allocated, and no allocation exceeds the file's size: a corrupt length
 //! fails with a message, never with an attempt to allocate it.
 
-use crate::buffer::AlignedBuf;
 use serde_json::Value;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -375,29 +374,6 @@ impl LocalFile {
             tensors,
         })
     }
-
-    /// Reads tensor `i` into new aligned memory.
-    pub fn read(&self, i: usize) -> Result<AlignedBuf, ReadError> {
-        let t = &self.tensors[i];
-        let n = t.nbytes() as usize;
-        let memory = AlignedBuf::uninit(n).ok_or(ReadError::OutOfMemory(n))?;
-        // SAFETY: `memory` owns `n` writable bytes and nobody else sees it yet;
-        // the slice lives only for this call.
-        let slice = unsafe { std::slice::from_raw_parts_mut(memory.as_ptr(), n) };
-        let what = format!(
-            "{}: tensor {:?} (file bytes [{}, {}))",
-            self.path, t.name, t.start, t.end
-        );
-        pread_exact(&self.file, slice, t.start, &what).map_err(ReadError::Io)?;
-        Ok(memory)
-    }
-}
-
-/// Why reading a tensor's bytes failed.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ReadError {
-    OutOfMemory(usize),
-    Io(String),
 }
 
 #[cfg(test)]

@@ -5,7 +5,8 @@
 use crate::error::Error;
 use crate::hostbuffer::HostBuffer;
 use crate::http::{Http, RemoteFile};
-use crate::safetensors::{LocalFile, ReadError, TensorInfo};
+use crate::readplan::Plan;
+use crate::safetensors::{LocalFile, TensorInfo};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use std::io::ErrorKind;
@@ -32,14 +33,8 @@ fn io_error(err: std::io::Error) -> Error {
     }
 }
 
-impl From<ReadError> for Error {
-    fn from(err: ReadError) -> Error {
-        match err {
-            ReadError::OutOfMemory(n) => Error::OutOfMemory(n),
-            ReadError::Io(msg) => Error::Io(msg),
-        }
-    }
-}
+/// One item of `SafetensorsFile.read`: tensor, numpy dtype, block bounds or None.
+type Want<'py> = (usize, Bound<'py, PyAny>, Option<Vec<(u64, u64)>>);
 
 enum Backing {
     Local(LocalFile),
@@ -135,49 +130,51 @@ impl SafetensorsFile {
         PyList::new(py, items)
     }
 
-    /// Reads the tensors at `indices` (positions in `tensors`) into new
-    /// 64-byte-aligned `HostBuffer`s of the numpy dtypes `dtypes` (one each,
-    /// of the tensor's itemsize), without the GIL: `pread` for a file, one
-    /// range request for a URL (`indices` then in file order).
-    fn read(
-        &self,
-        py: Python<'_>,
-        indices: Vec<usize>,
-        dtypes: Vec<Bound<'_, PyAny>>,
-    ) -> PyResult<Vec<HostBuffer>> {
+    /// Reads tensors or blocks of them into new 64-byte-aligned
+    /// `HostBuffer`s, without the GIL. Each item of `wants` is
+    /// `(tensor, dtype, bounds)`: `tensor` a position in `tensors`, `dtype`
+    /// the numpy dtype of the buffer (of the tensor's itemsize), `bounds`
+    /// None for the whole tensor or a `(start, stop)` per axis for a block
+    /// (a shard). Returns, per item, its `HostBuffer` (of the block's shape)
+    /// or the exception that item failed with, naming the file, the tensor,
+    /// the block and its bytes: one item's failure fails no other item that
+    /// was not in the same request.
+    ///
+    /// From a file, exactly the blocks' bytes are read (`preadv`, straight
+    /// into each buffer); over HTTP, blocks at most 64 KiB apart share one
+    /// range request.
+    fn read(&self, py: Python<'_>, wants: Vec<Want<'_>>) -> PyResult<Vec<Py<PyAny>>> {
         let tensors = self.tensor_list();
-        let n = tensors.len();
-        if let Some(&bad) = indices.iter().find(|&&i| i >= n) {
-            return Err(Error::InvalidArgument(format!(
-                "SafetensorsFile.read: index {bad} out of range for {n} tensors"
-            ))
-            .into());
+        let mut plan = Plan::default();
+        for (tensor, _, bounds) in &wants {
+            plan.add(tensors, *tensor, bounds.as_deref())?;
         }
-        if dtypes.len() != indices.len() {
-            return Err(Error::InvalidArgument(format!(
-                "SafetensorsFile.read: {} indices but {} dtypes",
-                indices.len(),
-                dtypes.len()
-            ))
-            .into());
-        }
-        let memories = py.detach(|| match &self.file {
-            Backing::Local(f) => indices
-                .iter()
-                .map(|&i| f.read(i))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(Error::from),
-            Backing::Remote(f) => f.read_group(&indices),
-        })?;
-        memories
+        plan.sort();
+        let results = py.detach(|| match &self.file {
+            Backing::Local(f) => plan.read_local(f),
+            Backing::Remote(f) => plan.read_remote(f),
+        });
+        results
             .into_iter()
-            .zip(indices.iter().zip(&dtypes))
-            .map(|(memory, (&i, dtype))| {
-                let shape = tensors[i].shape.iter().map(|&d| d as usize).collect();
-                HostBuffer::from_memory(memory, shape, dtype)
+            .zip(plan.outputs.iter().zip(&wants))
+            .map(|(result, (out, (_, dtype, _)))| match result {
+                Ok(memory) => {
+                    let shape = out.shape.iter().map(|&d| d as usize).collect();
+                    let buffer = HostBuffer::from_memory(memory, shape, dtype)?;
+                    Ok(Py::new(py, buffer)?.into_any())
+                }
+                Err(err) => Ok(PyErr::from(err).into_value(py).into_any()),
             })
             .collect()
     }
+}
+
+/// Bytes of tensor data this process has read from safetensors files and
+/// URLs so far (headers not counted; over HTTP, bytes between the blocks of
+/// one request count, since they came).
+#[pyfunction]
+pub fn tensor_bytes_read() -> u64 {
+    crate::readplan::tensor_bytes_read()
 }
 
 /// The first at most `max_bytes` bytes of `url` (a `model.safetensors.index.json`,
@@ -195,9 +192,10 @@ pub fn read_url_prefix(
     let http = Http::new(duration(timeout)?, retries)?;
     py.detach(|| {
         let mut out = Vec::new();
-        let total = http.read_range(&url, 0, max_bytes.max(1), true, "prefix", &mut |b| {
-            out.extend_from_slice(b)
-        })?;
+        let end = max_bytes.max(1);
+        let total = http
+            .read_range(&url, 0, end, true, &mut |b| out.extend_from_slice(b))
+            .map_err(|f| f.at(&format!("{url}: bytes [0, {end})")))?;
         Ok((out, total))
     })
 }

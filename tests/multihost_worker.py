@@ -127,6 +127,22 @@ out["partial"] = {
     for name in like
 }
 
+# 2b. load_safetensors of the job's safetensors file (beside DATA): rows
+# over every device, and columns (a later-axis split: one run a row a shard).
+# Each process reads the bytes of its own shards, counted by the core.
+st_sharding = {
+    "rows": NamedSharding(mesh1, PartitionSpec("x")),
+    "cols": NamedSharding(mesh1, PartitionSpec(None, "x")),
+}
+before = aa._core.tensor_bytes_read()
+st = aa.load_safetensors(os.path.join(os.path.dirname(DATA), "m.safetensors"), sharding=st_sharding)
+st = aa.materialize(st, timeout=WAIT)
+out["safetensors"] = {
+    "bytes": aa._core.tensor_bytes_read() - before,
+    "sums": {name: checksum(st[name]) for name in st_sharding},
+    "shards": {name: local_values(st[name]) for name in st_sharding},
+}
+
 # 3. Without sharding=: a local device of this process, usable at once.
 plain = aa.async_wrap(lambda: np.arange(4, dtype=np.float32), shape=(4,), dtype=np.float32)
 value = plain.result(WAIT)

@@ -9,6 +9,7 @@ reference computed from the same file with numpy.
 
 import numpy as np
 import pytest
+import safetensors.numpy
 from multihost import run_job, write_data
 
 # Telling other processes of a failure needs jax.distributed's key-value
@@ -29,6 +30,8 @@ def _check_shards(shards, reference, device_ids):
 
 def _run(tmp_path, n):
     data = write_data(tmp_path / "data.bin", 3, ROWS, COLS)
+    tensors = {"rows": data[0], "cols": data[1]}
+    safetensors.numpy.save_file(tensors, str(tmp_path / "m.safetensors"))
     results = run_job(n, [str(tmp_path / "data.bin")], timeout=90)
     assert [r["process"] for r in results] == list(range(n))
     for r in results:
@@ -55,6 +58,15 @@ def _run(tmp_path, n):
         assert cols["sum"] == pytest.approx(float(data[2].sum()))
         _check_shards(cols["shards"], data[2], devices)
         assert cols["bytes"] == LEAF_BYTES and cols["calls"] == LOCAL
+
+        # load_safetensors with sharding=: each process read only its share
+        # (2 of 2N row blocks; 2 of 2N column blocks of every row), and the
+        # global arrays are the file's.
+        st = r["safetensors"]
+        assert st["bytes"] == 2 * LEAF_BYTES // n
+        for name, want in tensors.items():
+            assert st["sums"][name] == pytest.approx(float(want.sum()))
+            _check_shards(st["shards"][name], want, devices)
 
         # No sharding=: this process's first local device, uncommitted.
         plain = r["default"]

@@ -299,30 +299,51 @@ def test_progress_callable_gets_bytes_done_and_total(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kwargs,error",
+    "kwargs,error,message",
     [
-        ({"max_bytes_in_flight": 0}, ValueError),
-        ({"max_bytes_in_flight": 1.5}, TypeError),
-        ({"retries": -1}, TypeError),
-        ({"timeout": "soon"}, TypeError),
-        ({"progress": 3}, TypeError),
+        ({"max_bytes_in_flight": 0}, ValueError, "max_bytes_in_flight must be a positive int"),
+        ({"max_bytes_in_flight": -5}, ValueError, "max_bytes_in_flight .* got -5"),
+        ({"max_bytes_in_flight": 1.5}, TypeError, "max_bytes_in_flight .* got float 1.5"),
+        ({"retries": -1}, ValueError, r"retries must be an int from 0 to \d+, got -1"),
+        ({"retries": 2**32}, ValueError, r"retries must be an int from 0 to \d+, got 4294967296"),
+        ({"retries": 1.0}, TypeError, "retries must be an int .* got float 1.0"),
+        ({"timeout": "soon"}, TypeError, "timeout must be a positive number .* got str 'soon'"),
+        ({"timeout": 0}, ValueError, "timeout must be a positive number of seconds or None, got 0"),
+        ({"timeout": -1.0}, ValueError, "timeout must be a positive number .* got -1.0"),
+        ({"timeout": float("nan")}, ValueError, "timeout must be a positive number .* got nan"),
+        ({"progress": 3}, TypeError, "progress must be"),
     ],
 )
-def test_bad_arguments_raise_at_the_call(tmp_path, kwargs, error):
+def test_bad_arguments_raise_at_the_call(tmp_path, kwargs, error, message):
     path = tmp_path / "m.safetensors"
     safetensors.numpy.save_file({"a": np.zeros(1, np.float32)}, str(path))
-    with pytest.raises(error):
+    with pytest.raises(error, match=f"^load_safetensors: {message}"):
         aa.load_safetensors(path, **kwargs)
+    with pytest.raises(error, match=f"^load_safetensors: {message}"):
+        aa.load_safetensors(path, like={"a": jax.ShapeDtypeStruct((1,), np.float32)}, **kwargs)
     with pytest.raises(TypeError, match="source must be a path"):
         aa.load_safetensors(3)
 
 
-def test_sharding_is_not_supported_yet(tmp_path):
-    path = tmp_path / "m.safetensors"
-    safetensors.numpy.save_file({"a": np.zeros(1, np.float32)}, str(path))
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    with pytest.raises(NotImplementedError, match="sharding= is not supported yet"):
-        aa.load_safetensors(path, sharding=sharding)
+def test_a_header_failure_seen_once_is_not_logged_for_the_other_leaves(tmp_path, async_array_log):
+    """With like=, a missing file fails every leaf; the user who got that
+    exception from one leaf retrieved it: nothing is logged when the leaves go."""
+    import gc
+
+    like = {k: jax.ShapeDtypeStruct((1,), np.float32) for k in "abc"}
+    tree = aa.load_safetensors(tmp_path / "nope.safetensors", like=like)
+    with pytest.raises(FileNotFoundError):
+        aa.materialize(tree, timeout=30)
+    del tree
+    gc.collect()
+    # Nobody retrieves the second load's: one record for the call, not three.
+    tree = aa.load_safetensors(tmp_path / "nope.safetensors", like=like)
+    aa.wait(tree, timeout=30)
+    del tree
+    gc.collect()
+    records = async_array_log.wait_for(1, "the unretrieved failure to be logged")
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert "failed and no leaf's exception was ever retrieved" in records[0].getMessage()
 
 
 def test_a_raising_progress_callback_is_logged_and_the_load_goes_on(tmp_path, caplog):

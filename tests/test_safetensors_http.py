@@ -28,8 +28,9 @@ class FaultServer:
     byte 0, unless ``fault_header`` is set): ``status_first`` a list of
     statuses answered (once each) before the real answer; ``status`` a status
     answered to every request; ``truncate`` bytes of the body sent before the
-    connection closes; ``content_range_shift`` added to the Content-Range
-    start; ``content_length_delta`` added to the Content-Length; ``slow`` sends
+    connection closes (``truncate_times``: only that many times, None:
+    always); ``content_range_shift`` added to the Content-Range start;
+    ``content_length_delta`` added to the Content-Length; ``slow`` sends
     one byte at a time, waiting on an event the test never sets for up to
     ``slow`` seconds between bytes; ``ignore_range`` answers 200 with the whole
     file; ``gate`` an event each request waits for (``gated`` is set when one
@@ -41,6 +42,7 @@ class FaultServer:
         self.status_first: list[int] = []
         self.status: int | None = None
         self.truncate: int | None = None
+        self.truncate_times: int | None = None
         self.content_range_shift = 0
         self.content_length_delta = 0
         self.slow: float | None = None
@@ -110,7 +112,12 @@ class FaultServer:
         h.send_header("Content-Length", str(len(body) + delta))
         h.end_headers()
         try:
-            if faulty and self.truncate is not None:
+            cut = faulty and self.truncate is not None
+            if cut and self.truncate_times is not None:
+                with self.lock:
+                    cut = self.truncate_times > 0
+                    self.truncate_times -= cut
+            if cut:
                 h.wfile.write(body[: self.truncate])
                 h.wfile.flush()
                 h.close_connection = True
@@ -223,6 +230,49 @@ def test_truncated_body_fails_its_leaf(server, weights):
         tree["big"].result(timeout=30)
 
 
+def test_a_body_cut_short_is_retried_asking_for_the_rest(server, weights):
+    server.truncate = 100
+    server.truncate_times = 2
+    tree = aa.load_safetensors(server.url("model.safetensors"), like=BIG, timeout=30, retries=2)
+    np.testing.assert_array_equal(np.asarray(tree["big"].result(timeout=30)), weights["big"])
+    with server.lock:
+        (first, *resumed) = [(s, e) for _, s, e in server.requests if s > 0]
+    # Each retry asked only for the bytes not yet received.
+    assert resumed == [(first[0] + 100, first[1]), (first[0] + 200, first[1])]
+
+
+def test_a_body_cut_short_beyond_the_retries_names_tensor_and_bytes(server, weights):
+    server.truncate = 100
+    tree = aa.load_safetensors(server.url("model.safetensors"), like=BIG, timeout=30, retries=2)
+    message = rf"{BIG_BYTES}: truncated body: 300 of 1440000 bytes received.* \(after 3 attempts\)"
+    with pytest.raises(OSError, match=message):
+        tree["big"].result(timeout=30)
+
+
+def test_a_failed_shared_request_names_each_leafs_own_tensor(server, weights, tmp_path):
+    """Small neighbours share one request; when it fails, each leaf's error
+    names its own tensor and bytes, never a neighbour."""
+    server.status = 503
+    like = {f"small.{i:02d}": jax.ShapeDtypeStruct((8, 4), np.float32) for i in (3, 4, 5)}
+    tree = aa.load_safetensors(server.url("model.safetensors"), like=like, timeout=30, retries=0)
+    with open(tmp_path / "model.safetensors", "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    for name in like:
+        begin, end = (8 + n + o for o in header[name]["data_offsets"])
+        with pytest.raises(OSError) as info:
+            tree[name].result(timeout=30)
+        message = str(info.value)
+        assert message.startswith(
+            f'{server.url("model.safetensors")}: tensor "{name}" (bytes [{begin}, {end})): '
+            "HTTP 503 (server error)"
+        ), message
+        others = [o for o in like if o != name]
+        assert not any(o in message for o in others), message
+    with server.lock:
+        assert len([r for r in server.requests if r[1] > 0]) == 1  # one request for the three
+
+
 def test_wrong_content_range_fails(server, weights):
     server.content_range_shift = 1
     tree = aa.load_safetensors(server.url("model.safetensors"), like=BIG, timeout=30)
@@ -288,6 +338,33 @@ def test_index_of_several_local_files_with_like(weights, tmp_path):
     like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in weights.items()}
     tree = aa.load_safetensors(tmp_path / "model.safetensors.index.json", like=like)
     check(aa.materialize(tree, timeout=60), weights)
+
+
+@pytest.mark.parametrize("over_http", [False, True])
+def test_an_index_naming_a_missing_file_names_it_and_its_tensors(
+    server, weights, tmp_path, over_http
+):
+    write_index(tmp_path, weights)
+    (tmp_path / "model-2.safetensors").unlink()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    lost = sorted(k for k, v in index["weight_map"].items() if v == "model-2.safetensors")
+    source = (
+        server.url("model.safetensors.index.json")
+        if over_http
+        else str(tmp_path / "model.safetensors.index.json")
+    )
+    message = (
+        rf"^{re.escape(source)}: names model-2\.safetensors, which does not exist "
+        rf"\(.*model-2\.safetensors.*\); it was to hold {len(lost)} tensors: "
+        + re.escape(", ".join(repr(k) for k in lost[:3]))
+    )
+    with pytest.raises(FileNotFoundError, match=message):
+        aa.load_safetensors(source, timeout=30)
+    # With like=, the leaves fail with it.
+    like = {lost[0]: jax.ShapeDtypeStruct(weights[lost[0]].shape, weights[lost[0]].dtype)}
+    tree = aa.load_safetensors(source, like=like, timeout=30)
+    with pytest.raises(FileNotFoundError, match=message):
+        tree[lost[0]].result(timeout=30)
 
 
 def test_an_index_naming_a_tensor_its_file_lacks(weights, tmp_path):

@@ -254,7 +254,7 @@ class AsyncArray(jax.Array):
         exc, tb = failed
         if isinstance(exc, concurrent.futures.CancelledError):
             raise exc
-        source.retrieved = True
+        source.mark_retrieved()
         return exc.with_traceback(tb)
 
     def add_done_callback(self, fn: Callable[[AsyncArray], Any]) -> None:

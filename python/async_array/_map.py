@@ -16,7 +16,7 @@ from ._convert import convert_one
 from ._errors import frames_freed, free_frames, shallow_copy
 from ._pool import jax_work
 from ._shards import submit_per_shard
-from ._source import Source
+from ._source import Call, Source
 from ._spec import LeafSpecs, declare_tree, qualname
 from ._tree import paused_gc
 
@@ -33,14 +33,17 @@ def _specs_and_paths(name: str, like: Any, sharding: Any) -> tuple[LeafSpecs, li
     return specs, paths, leaves
 
 
-def _one_source_a_leaf(specs: LeafSpecs, futures: list[_core.Future]) -> list[AsyncArray]:
+def _one_source_a_leaf(
+    specs: LeafSpecs, futures: list[_core.Future], call: Call | None = None
+) -> list[AsyncArray]:
     # The sources share the specs' key-path table, each at its own offset
-    # (a closure per leaf would cost 200 bytes a pending leaf).
+    # (a closure per leaf would cost 200 bytes a pending leaf); with a
+    # ``call``, one retrieved exception counts for every leaf.
     key_paths = specs.key_path
     name, avals, shardings, committed = specs.name, specs.avals, specs.shardings, specs.committed
     leaves = [
         AsyncArray(
-            Source(future, name, 1, key_paths, i),
+            Source(future, name, 1, key_paths, i, call),
             0,
             avals[i],
             shardings[i],

@@ -6,23 +6,26 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import sys
 import threading
 import urllib.parse
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_dtypes
 import numpy as np
 
-from . import _core
+from . import _core, _jax_hooks
 from ._convert import convert_one
 from ._errors import shallow_copy
 from ._map import _one_source_a_leaf
 from ._pool import jax_work
-from ._spec import LeafSpecs, declare_tree, timeout_seconds
+from ._shards import Layout, index_text, layout, shard_host
+from ._source import Call
+from ._spec import LeafSpecs, declare_tree
 from ._tree import paused_gc
 
 _LOG = logging.getLogger("async_array")
@@ -40,6 +43,7 @@ _GAP = 64 << 10
 _FILE_SMALL = 64 << 10
 _FILE_GROUP = 1 << 20
 _MAX_INDEX = 64 << 20
+_SingleDevice = jax.sharding.SingleDeviceSharding
 
 
 @functools.cache
@@ -168,9 +172,10 @@ class _Load:
     def plan(self, where: dict[str, tuple[_Header, int]], sources: str) -> None:
         """Checks every leaf against its file's header (a mismatch fails that
         leaf alone) and queues the reads in file order: one job a tensor
-        from a file, neighbouring small tensors together from a URL."""
+        (all its local shards) from a file, neighbouring small tensors
+        together from a URL."""
         specs = self.specs
-        jobs: dict[int, tuple[_Header, list[tuple[int, int]]]] = {}  # by header
+        jobs: dict[int, tuple[_Header, list[tuple[int, int, _Read]]]] = {}  # by header
         for i, name in enumerate(self.names):
             found_at = where.get(name)
             if found_at is None:
@@ -197,33 +202,51 @@ class _Load:
                     ),
                 )
                 continue
-            jobs.setdefault(id(header), (header, []))[1].append((t, i))
+            read = _leaf_read(specs, i, t, np_name, end - start)
+            if read.layout is not None and not read.layout.indices:
+                # No device of this process holds any of it: the global array
+                # (this process's part of it is empty) at once.
+                self.place_nothing(i, read)
+                continue
+            jobs.setdefault(id(header), (header, []))[1].append((t, i, read))
         queue = []
-        for header, pairs in jobs.values():
-            pairs.sort()
+        for header, leaves in jobs.values():
+            leaves.sort(key=lambda x: x[:2])
             entries = header.entries
             small, limit = (_SMALL, _GROUP) if header.file.remote else (_FILE_SMALL, _FILE_GROUP)
             if self.budget is not None:
                 limit = min(limit, self.budget)
-            group: list[tuple[int, int]] = []
-            for t, i in pairs:
+            group: list[tuple[int, int, _Read]] = []
+            for t, i, read in leaves:
                 start, end = entries[t][4], entries[t][5]
                 joins = (
                     group
-                    and end - start <= small
-                    and entries[group[0][0]][5] - entries[group[0][0]][4] <= small
+                    and read.nbytes <= small
+                    and group[0][2].nbytes <= small
                     and start - entries[group[-1][0]][5] <= _GAP
                     and end - entries[group[0][0]][4] <= limit
                 )
                 if group and not joins:
                     queue.append(_job(header, group))
                     group = []
-                group.append((t, i))
+                group.append((t, i, read))
             if group:
                 queue.append(_job(header, group))
         with self.lock:
             self.queue.extend(queue)
-            self.total_bytes += sum(job[3] for job in queue)
+            self.total_bytes += sum(job.nbytes for job in queue)
+
+    def place_nothing(self, i: int, read: _Read) -> None:
+        specs = self.specs
+        try:
+            with jax_work:
+                array = _jax_hooks.put_shards(
+                    [], [], specs.avals[i], specs.shardings[i], specs.committed[i], True
+                )
+        except Exception as exc:
+            self.fail(i, exc)
+            return
+        self.futures[i].set_result([array])
 
     def pump(self) -> None:
         """Starts the queued jobs that fit in the byte budget (always at
@@ -233,7 +256,7 @@ class _Load:
         with self.lock:
             while self.next_job < len(self.queue):
                 job = self.queue[self.next_job]
-                nbytes = job[3]
+                nbytes = job.nbytes
                 if (
                     self.budget is not None
                     and self.in_flight > 0
@@ -261,17 +284,49 @@ class _Load:
             _LOG.exception("%s: the progress callback raised", self.specs.name)
 
 
-# A read job: the file, its tensor indices, their leaves, their bytes, their
-# numpy dtype names (taken from the header once: the core's tensor list is
-# built anew at each access).
-_Job = tuple[_core.SafetensorsFile, list[int], list[int], int, list[str]]
+class _Read(NamedTuple):
+    """What one leaf reads: tensor ``t`` of its file, as ``np_name``; whole
+    (``layout`` None: one buffer, handed to JAX as the leaf) or the distinct
+    local shards of ``layout`` (``bounds[k]`` the (start, stop) per axis of
+    ``layout.indices[k]``, None when that index is the whole tensor);
+    ``nbytes`` the bytes it allocates and reads."""
+
+    leaf: int
+    t: int
+    np_name: str
+    layout: Layout | None
+    bounds: list[list[tuple[int, int]] | None] | None
+    nbytes: int
 
 
-def _job(header: _Header, group: list[tuple[int, int]]) -> _Job:
-    entries = header.entries
-    nbytes = sum(entries[t][5] - entries[t][4] for t, _ in group)
-    names = [entries[t][2] for t, _ in group]
-    return (header.file, [t for t, _ in group], [i for _, i in group], nbytes, names)
+def _leaf_read(specs: LeafSpecs, i: int, t: int, np_name: str, nbytes: int) -> _Read:
+    sharding = specs.shardings[i]
+    if type(sharding) is _SingleDevice:
+        return _Read(i, t, np_name, None, None, nbytes)
+    shape = specs.avals[i].shape
+    lay = layout(sharding, shape)
+    bounds: list[list[tuple[int, int]] | None] = []
+    itemsize = nbytes // max(1, math.prod(shape))
+    total = 0
+    for index, block in zip(lay.indices, lay.shapes, strict=True):
+        pairs = [s.indices(d)[:2] for s, d in zip(index, shape, strict=True)]
+        whole = all(a == 0 and b == d for (a, b), d in zip(pairs, shape, strict=True))
+        bounds.append(None if whole else pairs)
+        total += math.prod(block) * itemsize
+    return _Read(i, t, np_name, lay, bounds, total)
+
+
+class _Job(NamedTuple):
+    """A read job: one file, its leaves' reads (in file order), their bytes."""
+
+    file: _core.SafetensorsFile
+    reads: list[_Read]
+    nbytes: int
+
+
+def _job(header: _Header, group: list[tuple[int, int, _Read]]) -> _Job:
+    reads = [read for _, _, read in group]
+    return _Job(header.file, reads, sum(r.nbytes for r in reads))
 
 
 def _dtype_fits(found: np.dtype, declared: np.dtype) -> bool:
@@ -283,41 +338,80 @@ def _dtype_fits(found: np.dtype, declared: np.dtype) -> bool:
 
 
 def _read_job(load: _Load, job: _Job) -> None:
-    """A pool task: reads one job's tensors (GIL released in the core), hands
-    each to JAX, reports progress, then makes the leaves ready (so a leaf is
-    never ready before the progress that counts it), then starts more reads."""
-    file, tensors, leaves, nbytes, np_names = job
+    """A pool task: reads one job's tensors and shards (GIL released in the
+    core), hands each leaf to JAX, reports progress, then makes the leaves
+    ready (so a leaf is never ready before the progress that counts it), then
+    starts more reads. A leaf fails alone, with the error its own read gave."""
+    file = job.file
     specs, futures = load.specs, load.futures
-    ready: list[tuple[int, Any]] = []
-    failed: BaseException | None = None
+    done: list[tuple[int, Any]] = []
     try:
-        wanted = [k for k, i in enumerate(leaves) if not futures[i].done()]  # not cancelled
-        if wanted and file.remote:
-            wanted = list(range(len(leaves)))  # one request for the group anyway
-        if wanted:
-            dtypes = [_buffer_dtype(np_names[k]) for k in wanted]
-            buffers = file.read([tensors[k] for k in wanted], dtypes)
-            for k, buf in zip(wanted, buffers, strict=True):
-                value: Any = buf
-                np_name = np_names[k]
-                if np_name in _FLOAT8:  # no DLPack code: one copy, viewed as float8
-                    value = np.asarray(buf).view(_np_dtype(np_name))
-                with jax_work:
-                    ready.append((leaves[k], convert_one(specs, leaves[k], value)))
-                del value, buf
-            del buffers
+        reads = job.reads
+        if not file.remote:  # a cancelled leaf is not read (over HTTP: one request anyway)
+            reads = [r for r in reads if not futures[r.leaf].done()]
+        wants: list[tuple[int, np.dtype, Any]] = []
+        for r in reads:
+            dtype = _buffer_dtype(r.np_name)
+            if r.bounds is None:
+                wants.append((r.t, dtype, None))
+            else:
+                wants.extend((r.t, dtype, b) for b in r.bounds)
+        results = file.read(wants) if wants else []
+        del wants
+        at = 0
+        for r in reads:
+            count = 1 if r.bounds is None else len(r.bounds)
+            mine = results[at : at + count]
+            at += count
+            failed = next((x for x in mine if isinstance(x, BaseException)), None)
+            if failed is not None:
+                done.append((r.leaf, failed))
+                continue
+            with jax_work:
+                done.append((r.leaf, _to_jax(specs, r, mine)))
+            del mine
+        del results
     except Exception as exc:
-        failed = exc
+        for r in job.reads:
+            done.append((r.leaf, shallow_copy(exc)))
     finally:
-        load.finished(nbytes)
-        for i, entry in ready:
-            futures[i].set_result([entry])
-        del ready
-        if failed is not None:
-            for i in leaves:
-                if not futures[i].done():
-                    futures[i].set_exception(shallow_copy(failed))
+        load.finished(job.nbytes)
+        for i, entry in done:
+            if futures[i].done():
+                continue
+            if isinstance(entry, BaseException):
+                futures[i].set_exception(entry)
+            else:
+                futures[i].set_result([entry])
+        del done
         load.pump()
+
+
+def _to_jax(specs: LeafSpecs, r: _Read, buffers: list[Any]) -> Any:
+    """A leaf's ``Source`` entry (its ``jax.Array``, or the exception its
+    conversion failed with) from its read buffers."""
+    i = r.leaf
+    if r.np_name in _FLOAT8:  # no DLPack code: one copy, viewed as float8
+        buffers = [np.asarray(b).view(_np_dtype(r.np_name)) for b in buffers]
+    if r.layout is None:
+        return convert_one(specs, i, buffers[0])
+    lay = r.layout
+    dtype = specs.avals[i].dtype
+    try:
+        hosts = [
+            shard_host(b, shape, dtype, f"{specs.where(i)} shard {index_text(index)}")
+            for b, shape, index in zip(buffers, lay.shapes, lay.indices, strict=True)
+        ]
+        return _jax_hooks.put_shards(
+            [hosts[k] for k in lay.slots],
+            lay.devices,
+            specs.avals[i],
+            specs.shardings[i],
+            specs.committed[i],
+            True,
+        )
+    except Exception as exc:
+        return exc
 
 
 @functools.cache
@@ -394,7 +488,19 @@ def _open_all(
     weight_map = _read_index(source, timeout, retries)
     files = list(dict.fromkeys(weight_map.values()))
     opening = [_core.submit(_open_header, f, timeout, retries) for f in files]
-    headers = {f: fut.result() for f, fut in zip(files, opening, strict=True)}
+    headers = {}
+    for file, fut in zip(files, opening, strict=True):
+        try:
+            headers[file] = fut.result()
+        except FileNotFoundError as exc:
+            held = [name for name, f in weight_map.items() if f == file]
+            shown = ", ".join(repr(name) for name in held[:5])
+            more = ", ..." if len(held) > 5 else ""
+            base = file.rsplit("/", 1)[-1] if _is_url(file) else os.path.basename(file)
+            raise FileNotFoundError(
+                f"{source}: names {base}, which does not exist ({exc}); it was to hold "
+                f"{len(held)} tensors: {shown}{more}"
+            ) from None
     where = {}
     for name, file in weight_map.items():
         header = headers[file]
@@ -443,17 +549,32 @@ def load_safetensors(
         shape or dtype differs with ``ValueError`` naming the tensor, the
         expected and the found shape and dtype. Tensors that ``like`` lacks
         are not read.
-      sharding: not supported yet: must be None (leaves land uncommitted on
-        the default device, as ``async_wrap``'s).
+      sharding: None (each leaf lands uncommitted on the default device,
+        as ``async_wrap``'s), or where to put the tensors, as
+        ``jax.device_put`` takes it: one placement for every tensor, or a
+        dict of them shaped like the result (by tensor name, or nested as
+        ``like``); a placement is a ``NamedSharding`` (sharded, partially
+        replicated or replicated), a ``SingleDeviceSharding``, a
+        ``jax.Device``, or a ``PartitionSpec`` under ``jax.set_mesh``. A
+        ``like`` leaf's own ``.sharding`` is used where this is None. Each
+        tensor is read once per distinct index among this process's devices
+        (a replica is read once and placed on every local device holding
+        it); under ``jax.distributed`` each process reads only its shards
+        and the leaf is the global array. A shard split on axis 0 is one
+        byte range; split on a later axis it is one run of bytes a row:
+        from a file exactly those runs are read (``preadv`` into the shard's
+        memory), over HTTP runs at most 64 KiB apart share one request.
       max_bytes_in_flight: at most this many bytes (int, > 0) are allocated
-        for tensors and not yet handed to JAX; a read larger than this runs
-        alone. None: no bound.
-      timeout: seconds (None: none) that each HTTP request may take in all,
-        from connecting to its last byte, its retries included: a server that
-        trickles bytes fails within it. Files take no timeout.
-      retries: how often (int >= 0) an HTTP request that failed to connect,
-        lost its connection before the response, or got a 5xx is retried,
-        after 0.1 s, then twice as long each time (at most 5 s).
+        for tensors (or shards) and not yet handed to JAX; a read larger than
+        this runs alone. None: no bound.
+      timeout: seconds (a positive number; None: none) that each HTTP request
+        may take in all, from connecting to its last byte, its retries
+        included: a server that trickles bytes fails within it. Files take
+        no timeout.
+      retries: how often (an int from 0 to 2**32 - 1) an HTTP request that
+        failed to connect, lost its connection (before or during the body:
+        the retry asks only for the bytes not yet received), or got a 5xx is
+        retried, after 0.1 s, then twice as long each time (at most 5 s).
       progress: False; True for one ``tqdm`` progress bar on stderr (bytes,
         MB/s, ETA; nothing when ``tqdm`` is not installed); or a callable,
         called on a pool thread as ``progress(bytes_done, bytes_total)`` after
@@ -461,7 +582,8 @@ def load_safetensors(
 
     Returns:
       A dict of ``AsyncArray`` by tensor name in file order (``like=None``), or
-      a tree shaped like ``like``. Shapes are the header's; dtypes are the
+      a tree shaped like ``like``, each leaf committed to its sharding when
+      one is given. Shapes are the header's (global shapes); dtypes are the
       header's (``BOOL`` bool, ``U8``-``U64``/``I8``-``I64`` uint8-uint64 and
       int8-int64, ``F16`` float16, ``BF16`` bfloat16, ``F32`` float32, ``F64``
       float64, ``F8_E4M3`` float8_e4m3fn, ``F8_E5M2`` float8_e5m2), except
@@ -476,18 +598,24 @@ def load_safetensors(
         object, a missing or unknown dtype, offsets out of bounds, overlapping,
         or not matching shape x itemsize; the message names the file, the
         tensor and the byte range. Nothing larger than the file is allocated.
-      OSError: a read failed: 5xx or connection errors beyond ``retries``, a
-        truncated body, a wrong ``Content-Range`` or ``Content-Length``, a
-        server that ignores Range, a refused certificate (from the leaves of
-        that read, naming the URL, the tensors and the byte range).
+      OSError: a read failed: 5xx, connection errors or a body cut short
+        beyond ``retries``, a wrong ``Content-Range`` or ``Content-Length``, a
+        server that ignores Range, a refused certificate. Each leaf of that
+        read fails with its own error, naming the URL or path, its own tensor
+        (and shard) and its own byte range, never a neighbour's.
       TimeoutError: a request ran past ``timeout``.
       KeyError: an index names a tensor its file lacks.
-      TypeError: bad arguments.
-      NotImplementedError: ``sharding`` given.
+      FileNotFoundError: an index names a file that does not exist (the
+        message names the index, the file and the tensors it was to hold).
+      TypeError, ValueError: bad arguments, at the call, naming
+        ``load_safetensors``, the argument, what it must be and what came; a
+        sharding that does not divide a tensor's shape (``jax.device_put``'s
+        own error, naming the leaf).
 
     Note:
-      Zero-copy: each tensor's memory becomes its ``jax.Array``'s (on one
-      CPU device). Float8 tensors are copied once (DLPack has no code JAX
+      Zero-copy: each tensor's (or shard's) memory becomes its
+      ``jax.Array``'s on CPU devices (one buffer for every device holding a
+      replica). Float8 tensors are copied once (DLPack has no code JAX
       takes for them), as are 64-bit tensors narrowed to 32 bits.
 
     Examples:
@@ -503,24 +631,9 @@ def load_safetensors(
       6.0
     """
     source = _source_text(source)
-    if sharding is not None:
-        raise NotImplementedError(
-            f"{_NAME}: sharding= is not supported yet; load with sharding=None and "
-            "jax.device_put the leaves"
-        )
-    if max_bytes_in_flight is not None:
-        if isinstance(max_bytes_in_flight, bool) or not isinstance(max_bytes_in_flight, int):
-            raise TypeError(
-                f"{_NAME}: max_bytes_in_flight must be an int or None, got "
-                f"{type(max_bytes_in_flight).__name__}"
-            )
-        if max_bytes_in_flight <= 0:
-            raise ValueError(
-                f"{_NAME}: max_bytes_in_flight must be positive, got {max_bytes_in_flight}"
-            )
-    timeout = timeout_seconds(timeout, _NAME)
-    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise TypeError(f"{_NAME}: retries must be a non-negative int, got {retries!r}")
+    max_bytes_in_flight = _positive_int_or_none(max_bytes_in_flight, "max_bytes_in_flight")
+    timeout = _request_timeout(timeout)
+    retries = _retries(retries)
     callback = _progress_callback(progress)
     name = f"{_NAME}({source!r})"
     if like is None:
@@ -538,10 +651,12 @@ def load_safetensors(
     with paused_gc():
         flat, treedef = jax.tree_util.tree_flatten_with_path(like)
         paths = [p for p, _ in flat]
-        specs = declare_tree(LeafSpecs(name, like, treedef, paths), [s for _, s in flat], None)
+        specs = declare_tree(LeafSpecs(name, like, treedef, paths), [s for _, s in flat], sharding)
         names = [_tensor_name(p) for p in paths]
         futures = [_core.Future() for _ in paths]
-        leaves = _one_source_a_leaf(specs, futures)
+        # One call: an exception retrieved from any leaf counts for all (a
+        # header that fails fails every leaf; one report, not one a leaf).
+        leaves = _one_source_a_leaf(specs, futures, Call())
         load = _Load(specs, names, futures, max_bytes_in_flight, callback)
         if where is not None:
             load.plan(where, source)
@@ -550,6 +665,50 @@ def load_safetensors(
             opener = _core.submit(_open_and_plan, load, source, timeout, retries)
             opener.add_done_callback(lambda f: _fail_all_if_failed(f, futures))
         return specs.treedef.unflatten(leaves)
+
+
+def _positive_int_or_none(value: Any, arg: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"{_NAME}: {arg} must be a positive int (bytes) or None, got "
+            f"{type(value).__name__} {value!r:.40}"
+        )
+    if value <= 0:
+        raise ValueError(f"{_NAME}: {arg} must be a positive int (bytes) or None, got {value}")
+    return int(value)
+
+
+def _request_timeout(timeout: Any) -> float | None:
+    """``timeout`` as the core takes it: None, or positive seconds."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise TypeError(
+            f"{_NAME}: timeout must be a positive number of seconds or None, got "
+            f"{type(timeout).__name__} {timeout!r:.40}"
+        )
+    t = float(timeout)
+    if not t > 0:  # NaN too
+        raise ValueError(
+            f"{_NAME}: timeout must be a positive number of seconds or None, got {timeout!r}"
+        )
+    return t
+
+
+_MAX_RETRIES = 2**32 - 1  # the core counts them in a u32
+
+
+def _retries(retries: Any) -> int:
+    if isinstance(retries, bool) or not isinstance(retries, (int, np.integer)):
+        raise TypeError(
+            f"{_NAME}: retries must be an int from 0 to {_MAX_RETRIES}, got "
+            f"{type(retries).__name__} {retries!r:.40}"
+        )
+    if not 0 <= retries <= _MAX_RETRIES:
+        raise ValueError(f"{_NAME}: retries must be an int from 0 to {_MAX_RETRIES}, got {retries}")
+    return int(retries)
 
 
 def _open_and_plan(load: _Load, source: str, timeout: float | None, retries: int) -> None:

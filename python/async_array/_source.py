@@ -22,6 +22,19 @@ _LOG = logging.getLogger("async_array")
 _LeafError = tuple[BaseException, TracebackType | None, list[str]]
 
 
+class Call:
+    """What the sources of one call's leaves share when each leaf has a
+    source of its own (``load_safetensors``: one future a leaf): an
+    exception retrieved from any leaf counts for the call, and an unretrieved
+    one is logged once for the call, not once a leaf."""
+
+    __slots__ = ("logged", "retrieved")
+
+    def __init__(self) -> None:
+        self.retrieved = False
+        self.logged = False
+
+
 class Source:
     """One task's output shared by its leaves (an ``async_wrap`` call, one
     ``aa.jit`` dispatch, ...). The task's future holds a list with one entry
@@ -36,9 +49,11 @@ class Source:
         called only to build a message. One callable can serve the sources of
         a whole tree (one source a leaf, each with its own ``offset``).
       offset: added to a leaf's index to look up its key path.
+      call: shared by the sources of one call's leaves (see :class:`Call`).
     """
 
     __slots__ = (
+        "call",
         "future",
         "global_ids",
         "key_path",
@@ -56,7 +71,9 @@ class Source:
         leaf_count: int,
         key_path: Callable[[int], str],
         offset: int = 0,
+        call: Call | None = None,
     ) -> None:
+        self.call = call
         self.future = future
         self.name = name
         self.leaf_count = leaf_count
@@ -120,7 +137,7 @@ class Source:
             raise TimeoutError(f"{self.where(index)}: not ready after {timeout} s")
         failed = self.error(index)
         if failed is not None:
-            self.retrieved = True
+            self.mark_retrieved()
             exc, tb = failed
             raise exc.with_traceback(tb)
         return fut.result(0)[index]
@@ -137,24 +154,35 @@ class Source:
         except WaitCycleError as exc:
             raise waiting_on(exc, self.where(index)) from None
 
+    def mark_retrieved(self) -> None:
+        """A leaf's exception reached the user: nothing to log for this
+        source (nor, with a :class:`Call`, for its call)."""
+        self.retrieved = True
+        if self.call is not None:
+            self.call.retrieved = True
+
     def __del__(self) -> None:
         # As asyncio does: an exception nobody retrieved is logged, not lost;
         # if the task still runs, once it ends.
         try:
-            if not self.retrieved:
+            call = self.call
+            if not self.retrieved and not (call is not None and call.retrieved):
                 if self.future.done():
-                    _log_unretrieved(self.name, self.future)
+                    _log_unretrieved(self.name, call, self.future)
                 else:
-                    self.future.add_done_callback(functools.partial(_log_unretrieved, self.name))
+                    self.future.add_done_callback(
+                        functools.partial(_log_unretrieved, self.name, call)
+                    )
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
 
 
-def _log_unretrieved(name: str, fut: _core.Future) -> None:
-    """Logs the exception of a finished task whose leaves are all gone,
+def _log_unretrieved(name: str, call: Call | None, fut: _core.Future) -> None:
+    """Logs the exception of a finished task whose leaves are all gone (once
+    for a :class:`Call`, unless one of its leaves' exceptions was retrieved),
     unless the interpreter is exiting: a task that the exit stopped fails
     with that, and concurrent.futures logs nothing then either."""
-    if _core.exiting():
+    if _core.exiting() or (call is not None and (call.retrieved or call.logged)):
         return
     values = fut.peek()
     if values is not None:
@@ -164,6 +192,8 @@ def _log_unretrieved(name: str, fut: _core.Future) -> None:
     else:
         exc = fut.exception(0)
     if exc is not None:
+        if call is not None:
+            call.logged = True
         _LOG.error(
             "async_array: %s failed and no leaf's exception was ever retrieved",
             name,
