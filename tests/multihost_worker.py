@@ -166,7 +166,11 @@ def load(name: str, leaf: int):
     def callback(index):
         if waits_for is not None:
             assert arrived[waits_for].wait(WAIT), f"{waits_for} never arrived"
-        return order_reader.read(leaf, index)
+        shard = order_reader.read(leaf, index)
+        # Arrived here: not the leaf's readiness, which waits for every
+        # process's share, and so for the other process's gate.
+        arrived[name].set()
+        return shard
 
     return callback
 
@@ -178,8 +182,6 @@ sum_all = aa.jit(jnp.sum, out_shardings=replicated)
 aa.materialize(sum_all(x), timeout=WAIT)
 p = aa.make_array_from_callback((ROWS, COLS), rows, load("p", 0), dtype=np.float32)
 q = aa.make_array_from_callback((ROWS, COLS), rows, load("q", 1), dtype=np.float32)
-p.add_done_callback(lambda _: arrived["p"].set())
-q.add_done_callback(lambda _: arrived["q"].set())
 first, second = sum_all(p), sum_all(q)
 out["order"] = [float(first.result(WAIT)), float(second.result(WAIT))]
 
@@ -199,6 +201,21 @@ try:
     out["failure"] = None
 except Exception as exc:
     out["failure"] = {"type": type(exc).__name__, "message": str(exc)}
+
+# 6. The same failure seen by a plain wait and by jax.jit: the healthy
+# processes' shares are loaded, yet their waits raise, naming the process.
+waited = aa.make_array_from_callback((ROWS, COLS), rows, flaky, dtype=np.float32)
+try:
+    aa.materialize(waited, timeout=WAIT)
+    out["wait_failure"] = None
+except Exception as exc:
+    out["wait_failure"] = {"type": type(exc).__name__, "message": str(exc)}
+jitted = aa.make_array_from_callback((ROWS, COLS), rows, flaky, dtype=np.float32)
+try:
+    jax.block_until_ready(jax.jit(jnp.sum)(jitted))
+    out["jit_failure"] = None
+except Exception as exc:
+    out["jit_failure"] = {"type": type(exc).__name__, "message": str(exc)}
 
 print("RESULT " + json.dumps(out), flush=True)
 jax.distributed.shutdown()

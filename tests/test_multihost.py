@@ -78,15 +78,16 @@ def _run(tmp_path, n):
 
         # One process failing: it raises its own error; the others raise
         # one that names it and the leaf (the job ended, so nobody hung).
-        failure = r["failure"]
-        assert failure is not None
-        if r["process"] == n - 1:
-            assert failure["type"] == "KeyError"
-        else:
-            assert failure["type"] == "RemoteFailure", failure
-            assert f"process {n - 1}" in failure["message"]
-            assert "make_array_from_callback(flaky)" in failure["message"]
-            assert "shard lost on purpose" in failure["message"]
+        # Through aa.jit, a plain wait and jax.jit alike.
+        for failure in (r["failure"], r["wait_failure"], r["jit_failure"]):
+            assert failure is not None
+            if r["process"] == n - 1:
+                assert failure["type"] == "KeyError"
+            else:
+                assert failure["type"] == "RemoteFailure", failure
+                assert f"process {n - 1}" in failure["message"]
+                assert "make_array_from_callback(flaky)" in failure["message"]
+                assert "shard lost on purpose" in failure["message"]
     return results
 
 
