@@ -4,6 +4,7 @@ way out, every failure names its cause."""
 from __future__ import annotations
 
 import gc
+import subprocess
 import weakref
 
 import jax
@@ -214,6 +215,14 @@ def test_tasks_queued_at_fork_run_in_the_parent_only():
 
 # -- interpreter exit -------------------------------------------------------------------
 
+
+def assert_exited_cleanly(proc: subprocess.CompletedProcess, code: int) -> None:
+    """The child exited with ``code``: no abort, no fatal error, no traceback."""
+    for bad in ("terminate called", "FATAL", "Fatal Python error", "Aborted", "Traceback"):
+        assert bad not in proc.stderr, proc.stderr
+    assert proc.returncode == code, proc.stderr
+
+
 EXIT_INSIDE_JAX_SCRIPT = """
 import sys, threading
 import jax.numpy as jnp
@@ -238,9 +247,7 @@ sys.exit(3)
 
 def test_exit_while_a_task_is_inside_jax_keeps_the_exit_code():
     proc = run_script(EXIT_INSIDE_JAX_SCRIPT, timeout=120)
-    for bad in ("terminate called", "FATAL", "Fatal Python error", "Aborted", "Traceback"):
-        assert bad not in proc.stderr, proc.stderr
-    assert proc.returncode == 3, proc.stderr
+    assert_exited_cleanly(proc, 3)
 
 
 EXIT_DURING_A_COMPILE_SCRIPT = """
@@ -277,10 +284,8 @@ def test_exit_during_a_compile_longer_than_the_grace_waits_for_it():
     proc = run_script(
         EXIT_DURING_A_COMPILE_SCRIPT, env={"ASYNC_ARRAY_EXIT_GRACE": "0"}, timeout=120
     )
-    for bad in ("terminate called", "FATAL", "Fatal Python error", "Aborted", "Traceback"):
-        assert bad not in proc.stderr, proc.stderr
+    assert_exited_cleanly(proc, 3)
     assert "async_array: exit waits for 1 piece(s) of work inside JAX" in proc.stderr
-    assert proc.returncode == 3, proc.stderr
 
 
 EXIT_AS_A_TASK_FREES_ITS_VALUE_SCRIPT = """
@@ -316,9 +321,7 @@ def test_exit_while_a_task_frees_its_jax_arrays_keeps_the_exit_code():
     proc = run_script(
         EXIT_AS_A_TASK_FREES_ITS_VALUE_SCRIPT, env={"ASYNC_ARRAY_EXIT_GRACE": "0"}, timeout=120
     )
-    for bad in ("terminate called", "FATAL", "Fatal Python error", "Aborted", "Traceback"):
-        assert bad not in proc.stderr, proc.stderr
-    assert proc.returncode == 3, proc.stderr
+    assert_exited_cleanly(proc, 3)
 
 
 def test_a_bad_exit_grace_fails_at_import():
