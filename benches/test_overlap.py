@@ -119,3 +119,54 @@ def test_scenario(benchmark, rounds, way):
 @pytest.mark.parametrize("way", list(WAYS))
 def test_pipeline(benchmark, rounds, way):
     run_scenario(benchmark, rounds, STAGES, way)
+
+
+# -- what program order costs (issue 16 item 5) ------------------------------------------
+# Two calls of one program: the first's input loads for ORDER_LOAD_S, the
+# second's is ready. aa.jit launches calls in program order only where order
+# matters (a donating program, or one spanning processes); otherwise the
+# second runs at once. The figure is the time to the second call's result.
+ORDER_LOAD_S = 1.0
+
+
+def slow_input() -> np.ndarray:
+    time.sleep(ORDER_LOAD_S)
+    return np.full(SHAPE, 0.5, np.float32)
+
+
+def _step(x):
+    return jnp.tanh(x @ x.T) + 1.0
+
+
+def second_of_two_aa_jit(donate: bool) -> float:
+    f = aa.jit(_step, donate_argnums=0 if donate else ())
+    aa.materialize(f(aa.async_wrap(lambda: np.zeros(SHAPE, np.float32), like=SPEC)))  # compiled
+    slow = aa.async_wrap(slow_input, like=SPEC)
+    ready = aa.async_wrap(lambda: np.ones(SHAPE, np.float32), like=SPEC)
+    f(slow)
+    return float(f(ready).block_until_ready().sum())
+
+
+def second_of_two_jax_jit(donate: bool) -> float:
+    f = jax.jit(_step)
+    f(np.zeros(SHAPE, np.float32)).block_until_ready()  # compiled
+    slow = aa.async_wrap(slow_input, like=SPEC)
+    ready = aa.async_wrap(lambda: np.ones(SHAPE, np.float32), like=SPEC)
+    f(slow)  # its dispatch waits for the input: program order by blocking the caller
+    return float(f(ready).block_until_ready().sum())
+
+
+ORDER_WAYS = {
+    "aa.jit, donating (program order)": lambda: second_of_two_aa_jit(True),
+    "aa.jit, not donating (no order needed)": lambda: second_of_two_aa_jit(False),
+    "jax.jit (the caller waits at each dispatch)": lambda: second_of_two_jax_jit(False),
+}
+
+
+@pytest.mark.benchmark(group="program order: second of two calls, first input loads 1 s")
+@pytest.mark.parametrize("way", list(ORDER_WAYS))
+def test_program_order(benchmark, rounds, way):
+    results = []
+    benchmark.pedantic(lambda: results.append(ORDER_WAYS[way]()), rounds=rounds, iterations=1)
+    want = float((np.tanh(np.ones(SHAPE, np.float32) @ np.ones(SHAPE, np.float32).T) + 1).sum())
+    np.testing.assert_allclose(results, want, rtol=1e-5)
