@@ -127,6 +127,21 @@ out["partial"] = {
     for name in like
 }
 
+# 2a. Many leaves of one call: several finish while the call still sets up
+# its leaves, and the call is ready once all are, on every process.
+MANY = 300
+many = aa.async_map(
+    lambda path, spec, index: np.full((ROWS // (N * LOCAL), COLS), path[0].idx, np.float32),
+    [jax.ShapeDtypeStruct((ROWS, COLS), np.float32)] * MANY,
+    sharding=rows,
+    per_shard=True,
+)
+many = aa.materialize(many, timeout=WAIT)
+stacked = jax.jit(
+    lambda xs: sum(x.sum() for x in xs), out_shardings=NamedSharding(mesh1, PartitionSpec())
+)
+out["many_sum"] = float(stacked(many))
+
 # 2b. load_safetensors of the job's safetensors file (beside DATA): rows
 # over every device, and columns (a later-axis split: one run a row a shard).
 # Each process reads the bytes of its own shards, counted by the core.

@@ -68,6 +68,9 @@ def _run(tmp_path, n):
             assert st["sums"][name] == pytest.approx(float(want.sum()))
             _check_shards(st["shards"][name], want, devices)
 
+        # 300 leaves of one call, leaf k all k.
+        assert r["many_sum"] == float(ROWS * COLS * sum(range(300)))
+
         # No sharding=: this process's first local device, uncommitted.
         plain = r["default"]
         assert plain["device"] == devices[0] and not plain["committed"]

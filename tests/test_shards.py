@@ -2,6 +2,7 @@
 ``aa.async_map(..., per_shard=True)`` on the four CPU devices of ``conftest.py``."""
 
 import threading
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -251,3 +252,39 @@ def test_async_map_per_shard_failure_fails_only_its_leaf():
     np.testing.assert_array_equal(tree["good"].result(WAIT), DATA)
     with pytest.raises(ValueError, match=r"leaf \['bad'\] shard \[\d:\d, :\] \(devices .*\): "):
         tree["bad"].result(WAIT)
+
+
+# -- a call spanning processes: its readiness is agreed once, after every leaf ---------
+
+
+class _FakeSource:
+    def __init__(self, future, number):
+        self.future = future
+        self.global_ids = [number]
+
+
+def test_a_spanning_call_is_confirmed_once_after_its_last_leaf(monkeypatch):
+    # Leaves already done when the call sets up its group run their callback
+    # inside add(); the group must still count every leaf before it agrees.
+    from async_array import _core, _multiprocess
+
+    agreed = []
+    monkeypatch.setattr(_multiprocess, "_confirmer", lambda: SimpleNamespace(add=agreed.append))
+    done = []
+    for k in range(3):
+        f = _core.Future()
+        f.set_result([np.float32(k)])
+        done.append(f)
+    pending = _core.Future()
+    group = _multiprocess._Group(7, "async_map(f)", 4)
+    sources = [_FakeSource(f, 7 + k) for k, f in enumerate([*done, pending])]
+    for source in sources:
+        group.add(source)
+    assert agreed == []  # three of four leaves done: nothing to agree on yet
+    pending.set_result([np.float32(3)])
+    assert agreed == [group]
+    _multiprocess._finish(group, {10: "process 1: async_map(f) [3]: KeyError: 'lost'"})
+    values = [s.future.result(0)[0] for s in sources]
+    assert values[:3] == [0.0, 1.0, 2.0]  # agreed: their own values
+    assert type(values[3]).__name__ == "RemoteFailure"
+    assert "process 1: async_map(f) [3]: KeyError: 'lost'" in str(values[3])

@@ -80,7 +80,7 @@ def track(specs: Any, sources: list[Any]) -> None:
         parts = [(sources[0], ids)]
     else:
         parts = [(source, [ids[i]]) for i, source in enumerate(sources) if ids[i] >= 0]
-    group = _Group(next(n for n in ids if n >= 0), specs.name)
+    group = _Group(next(n for n in ids if n >= 0), specs.name, len(parts))
     for source, source_ids in parts:
         source.global_ids = source_ids
         group.add(source)
@@ -96,18 +96,19 @@ class _Group:
 
     __slots__ = ("entries", "key", "lock", "name", "outstanding")
 
-    def __init__(self, key: int, name: str) -> None:
+    def __init__(self, key: int, name: str, sources: int) -> None:
         self.key = key  # the call's first global leaf number: the same on every process
         self.name = name
         self.lock = threading.Lock()
         self.entries: list[tuple[Any, _core.Future, _core.Future]] = []
-        self.outstanding = 0
+        # Counted in full before the first add: a future already done runs
+        # its callback inside add, and the count must not reach 0 early.
+        self.outstanding = sources
 
     def add(self, source: Any) -> None:
         local, confirmed = source.future, _core.Future()
         source.future = confirmed
         self.entries.append((source, local, confirmed))
-        self.outstanding += 1
         confirmed.add_done_callback(functools.partial(_cancel_if_cancelled, local))
         local.add_done_callback(functools.partial(self._local_done, source, confirmed))
 
