@@ -767,6 +767,7 @@ def small_child(rounds: int) -> dict[str, list[float]]:
 
 def run_child(name: str, cfg: Config, files: Files, source: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--layers", str(cfg.layers), "--child", name, source]
+    load_avg = os.getloadavg()[0]  # the machine's load as it starts (others' jobs)
     cpu0 = _cpu()  # this process's CPU while the child runs: the server's
     proc = subprocess.run(
         cmd,
@@ -780,6 +781,7 @@ def run_child(name: str, cfg: Config, files: Files, source: str) -> dict[str, An
     line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT ") :])
     result["server_cpu"] = server_cpu
+    result["load_avg"] = load_avg
     return result
 
 
@@ -802,7 +804,8 @@ def measure(
                     results[src].setdefault(name, []).append(res)
                     print(
                         f"  round {r + 1}/{rounds} {src:4} {name:34} wall {res['wall']:.3f} s, "
-                        f"cpu {res['cpu']:.2f} s, server cpu {res['server_cpu']:.2f} s",
+                        f"cpu {res['cpu']:.2f} s, server cpu {res['server_cpu']:.2f} s, "
+                        f"load average {res['load_avg']:.1f}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -879,9 +882,23 @@ def summarize(data: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
         load = rows.get("load alone: aa.load_safetensors", {}).get("load")
         compile_ = rows.get("compile alone", {}).get("compile")
         limit = max(load, compile_) + run if None not in (load, compile_, run) else None
+        # What two cores allow at best when load and compile overlap: their CPU
+        # seconds (and the server's) shared by the cores, then the run.
+        alone = rows.get("load alone: aa.load_safetensors", {})
+        cpu_parts = (
+            alone.get("cpu"),
+            alone.get("server_cpu"),
+            rows.get("compile alone", {}).get("cpu"),
+        )
+        cores = os.cpu_count() or 1
+        cpu_bound = sum(cpu_parts) / cores + run if None not in (*cpu_parts, run) else None
         for row in rows.values():
             row["limit"] = limit
             row["limit_parts"] = (load, compile_, run)
+            row["cpu_parts"] = cpu_parts
+            row["cpu_bound"] = cpu_bound
+            bound = max(limit or 0, cpu_bound or 0)
+            row["wall_over_bound"] = row["wall"] / bound if bound else None
             row["wall_over_limit"] = row["wall"] / limit if limit else None
         out[src] = rows
     return out
@@ -894,6 +911,18 @@ def render(data: dict[str, Any], summary: dict[str, dict[str, dict[str, Any]]]) 
         f"on 127.0.0.1 at {data['bandwidth']:g} MB/s, {data['latency']:g} ms a request; "
         f"medians of {data['rounds']} round(s), a fresh process each",
     ]
+    loads = [
+        r["load_avg"]
+        for by_name in data["results"].values()
+        for runs in by_name.values()
+        for r in runs
+        if "load_avg" in r
+    ]
+    if loads:
+        lines.append(
+            f"load average (1 min) as each process started: median {median(loads):.1f}, "
+            f"{min(loads):.1f} to {max(loads):.1f} (2 cores; other jobs shared the machine)"
+        )
     head = (
         "source",
         "contender",
@@ -935,6 +964,14 @@ def render(data: dict[str, Any], summary: dict[str, dict[str, dict[str, Any]]]) 
                 f"limit: max(load alone {load:.3f}, compile alone {compile_:.3f}) + run {run:.3f}"
             )
             table.append((src, what, f"{limit:.3f}", *[""] * 7))
+            first = next(iter(rows.values()))
+            if first["cpu_bound"]:
+                (cl, cs, cc), cores = first["cpu_parts"], os.cpu_count()
+                what = (
+                    f"CPU bound: (load {cl:.2f} + server {cs:.2f} + compile {cc:.2f} CPU s) "
+                    f"/ {cores} cores + run {run:.3f}"
+                )
+                table.append((src, what, f"{first['cpu_bound']:.3f}", *[""] * 7))
     for name, mod in data.get("missing", {}).items():
         table.append(("", f"{name}: not measured ({mod} not installed)", *[""] * 8))
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
