@@ -684,9 +684,19 @@ def child(name: str, cfg: Config, files: Files, source: str) -> dict[str, Any]:
             if run.read_at
             else None
         )
-    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss"] = peak_rss()
     out["rss_start"] = rss_start
     return out
+
+
+def peak_rss() -> int:
+    """Peak RSS in bytes: VmHWM, which starts afresh at exec (ru_maxrss
+    would carry the forking driver's peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
 
 
 def _rss_now() -> int:

@@ -20,6 +20,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from encoder import peak_rss  # benches/: the encoder benchmark's own
 
 import async_array as aa
 
@@ -137,7 +138,6 @@ def rss_per_leaf(way: str, n: int) -> dict[str, float]:
     ready leaves from ready numpy arrays and hold them; bytes per leaf of the
     RSS growth and of the peak's growth, and the seconds it took."""
     import gc
-    import resource
     import time
 
     import psutil
@@ -153,7 +153,7 @@ def rss_per_leaf(way: str, n: int) -> dict[str, float]:
         seconds = time.perf_counter() - t0
         gc.collect()
         after = psutil.Process().memory_info().rss
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = peak_rss()
         assert len(held) == n
         del held
         gc.collect()
