@@ -132,5 +132,14 @@ wheel: $(VENV)/.deps
 
 BENCH_ARGS ?=
 
-bench: install
+# The benchmark's peers (orbax-checkpoint, tensorstore): only `make bench`
+# installs them, never `make test` or `make demo`; the 3.11 constraints keep
+# them from moving JAX.
+$(VENV)/.bench-peers: $(VENV)/.deps
+	@printf '%s\n' "make: installing the benchmark peers (orbax-checkpoint, tensorstore) into $(VENV)" >&2
+	@$(PY) .ci/requirements.py bench-peers > $(VENV)/requirements-bench-peers.txt
+	@$(PY) -m pip install --quiet -c .ci/constraints-py311.txt -r $(VENV)/requirements-bench-peers.txt 1>&2
+	@touch $@
+
+bench: install $(VENV)/.bench-peers
 	$(CARGO_ENV) $(PY) benches/run_all.py $(BENCH_ARGS)
