@@ -278,6 +278,24 @@ def python_rows(t: Table, benches: list[dict]) -> None:
     ):
         overlap_rows(t, g, title, med)
 
+    g = "program order: second of two calls, first input loads 1 s"
+    t.section("Program order: the second of two aa.jit calls, the first's input loads 1 s")
+    ordered = med(g, "aa.jit, donating (program order)")
+    t.add(
+        "aa.jit, donating (waits for the first call's launch)",
+        ordered,
+        med(g, "jax.jit (the caller waits at each dispatch)"),
+        "jax.jit",
+        target="≈ 1 (order costs what jax.jit costs)",
+        met=_lt(ordered, med(g, "jax.jit (the caller waits at each dispatch)"), 1.1),
+    )
+    t.add(
+        "aa.jit, not donating (no order needed)",
+        med(g, "aa.jit, not donating (no order needed)"),
+        med(g, "jax.jit (the caller waits at each dispatch)"),
+        "jax.jit",
+    )
+
 
 def rss_rows(t: Table, by: dict, labels: list[str]) -> None:
     """Resident memory per ready leaf (fresh processes), and how time and
