@@ -1,10 +1,12 @@
 """Soak: random waits, cancels, timeouts, callbacks, failures and forks over
 8 threads, for ``--minutes`` (default 10). Not part of ``make test``.
 
-Every minute it prints the live objects (``AsyncArray`` leaves, core futures,
-``HostBuffer``s, pool threads) and the RSS; after the first minute (imports,
-JAX's caches and the pool's threads warm up) each must stay flat: no more than
-10% and a small slack above minute 1. Exits 1 when one grows, 0 otherwise.
+Every minute it pauses the threads between rounds, lets the pool finish what
+they left running, and prints the live objects (``AsyncArray`` leaves, core
+futures, ``HostBuffer``s, pool threads) and the RSS: what is left then is
+kept, not in flight. After the first minute (imports, JAX's caches and the
+pool's threads warm up) each must stay flat: no more than 10% and a small
+slack above minute 1. Exits 1 when one grows, 0 otherwise.
 
 Run: .venv/bin/python benches/soak.py [--minutes 10] [--threads 8] [--seed 0]
 """
@@ -137,10 +139,17 @@ def main() -> int:
     counts = dict.fromkeys(["rounds", "cancels", "callbacks", "timeouts_or_failures", "forks"], 0)
     errors: list[BaseException] = []
 
+    pausing = threading.Event()  # set: threads park between rounds
+    resumed = threading.Event()
+    parked = threading.Semaphore(0)
+
     def worker(seed: int) -> None:
         rng = random.Random(seed)
         try:
             while not stop.is_set():
+                if pausing.is_set():
+                    parked.release()
+                    resumed.wait()
                 one_round(rng, counts)
         except BaseException as exc:  # a soak failure: report it, stop all
             errors.append(exc)
@@ -163,8 +172,21 @@ def main() -> int:
             counts["forks"] += 1
             stop.wait(5.0)
         minute += 1
+        resumed.clear()
+        pausing.set()
+        for _ in threads:  # bounded: a round ends within seconds
+            if not parked.acquire(timeout=120):
+                errors.append(RuntimeError("a soak thread did not finish its round"))
+                stop.set()
+                break
+        # What the rounds left running (timed-out or unwaited tasks) ends.
+        while _core.pool_stats()["queued"] and not stop.is_set():
+            _core.wait_for_running_tasks(1.0)
+        _core.wait_for_running_tasks(60)
         row = live()
         rows.append(row)
+        pausing.clear()
+        resumed.set()
         print(
             f"minute {minute}: "
             + ", ".join(f"{k} {v:.0f}" for k, v in row.items())
@@ -173,6 +195,7 @@ def main() -> int:
             flush=True,
         )
     stop.set()
+    resumed.set()
     for t in threads:
         t.join(60)
     if errors:
