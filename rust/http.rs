@@ -100,10 +100,11 @@ impl Http {
                         upto = false;
                     }
                     if attempt >= self.retries {
-                        return Err(Failure::io(format!(
-                            "{detail} (after {} attempts)",
-                            attempt + 1
-                        )));
+                        return Err(Failure::io(if attempt == 0 {
+                            format!("{detail} (after 1 attempt)")
+                        } else {
+                            format!("{detail} (after {} attempts)", attempt + 1)
+                        }));
                     }
                     let now = Instant::now();
                     if deadline.is_some_and(|d| now + backoff >= d) {

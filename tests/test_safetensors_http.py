@@ -367,6 +367,17 @@ def test_an_index_naming_a_missing_file_names_it_and_its_tensors(
         tree[lost[0]].result(timeout=30)
 
 
+def test_like_loads_what_it_names_when_another_file_of_the_index_is_missing(weights, tmp_path):
+    # A partial download: only the files that hold what like= names are opened.
+    write_index(tmp_path, weights)
+    (tmp_path / "model-2.safetensors").unlink()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    kept = sorted(k for k, v in index["weight_map"].items() if v == "model-1.safetensors")
+    like = {k: jax.ShapeDtypeStruct(weights[k].shape, weights[k].dtype) for k in kept}
+    tree = aa.load_safetensors(tmp_path / "model.safetensors.index.json", like=like)
+    check(aa.materialize(tree, timeout=60), {k: weights[k] for k in kept})
+
+
 def test_an_index_naming_a_tensor_its_file_lacks(weights, tmp_path):
     write_index(tmp_path, weights)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())

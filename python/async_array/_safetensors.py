@@ -478,14 +478,19 @@ def _is_index(source: str) -> bool:
 
 
 def _open_all(
-    source: str, timeout: float | None, retries: int
+    source: str, timeout: float | None, retries: int, wanted: set[str] | None = None
 ) -> tuple[dict[str, tuple[_Header, int]], list[_Header]]:
     """Every tensor name -> (its file's header, its index there), for one
-    file or an index of several (their headers read concurrently, on the pool)."""
+    file or an index of several (their headers read concurrently, on the pool).
+    With ``wanted`` (the names ``like`` asks for), an index's files that hold
+    none of them are not opened: a missing or unread file of tensors nobody
+    asked for fails nothing."""
     if not _is_index(source):
         header = _open_header(source, timeout, retries)
         return {name: (header, t) for name, t in header.index.items()}, [header]
-    weight_map = _read_index(source, timeout, retries)
+    full_map = weight_map = _read_index(source, timeout, retries)
+    if wanted is not None:
+        weight_map = {name: file for name, file in weight_map.items() if name in wanted}
     files = list(dict.fromkeys(weight_map.values()))
     opening = [_core.submit(_open_header, f, timeout, retries) for f in files]
     headers = {}
@@ -493,13 +498,13 @@ def _open_all(
         try:
             headers[file] = fut.result()
         except FileNotFoundError as exc:
-            held = [name for name, f in weight_map.items() if f == file]
+            held = [name for name, f in full_map.items() if f == file]
             shown = ", ".join(repr(name) for name in held[:5])
             more = ", ..." if len(held) > 5 else ""
             base = file.rsplit("/", 1)[-1] if _is_url(file) else os.path.basename(file)
             raise FileNotFoundError(
                 f"{source}: names {base}, which does not exist ({exc}); it was to hold "
-                f"{len(held)} tensors: {shown}{more}"
+                f"{len(held)} tensor{'s' if len(held) != 1 else ''}: {shown}{more}"
             ) from None
     where = {}
     for name, file in weight_map.items():
@@ -712,7 +717,7 @@ def _retries(retries: Any) -> int:
 
 
 def _open_and_plan(load: _Load, source: str, timeout: float | None, retries: int) -> None:
-    where, _ = _open_all(source, timeout, retries)
+    where, _ = _open_all(source, timeout, retries, set(load.names))
     load.plan(where, source)
     load.pump()
 
