@@ -324,6 +324,31 @@ def test_exit_while_a_task_frees_its_jax_arrays_keeps_the_exit_code():
     assert_exited_cleanly(proc, 3)
 
 
+EXIT_WITH_A_TASK_ASLEEP_SCRIPT = """
+import sys, threading
+import numpy as np
+import async_array as aa
+
+started, never = threading.Event(), threading.Event()
+
+def f():  # a loader blocked on a socket, say
+    started.set()
+    never.wait()
+
+leaf = aa.async_wrap(f, shape=(2,), dtype=np.float32)
+assert started.wait(60)
+sys.exit(5)
+"""
+
+
+def test_exit_says_why_it_waits_for_a_running_task():
+    proc = run_script(EXIT_WITH_A_TASK_ASLEEP_SCRIPT, env={"ASYNC_ARRAY_EXIT_GRACE": "2"})
+    assert_exited_cleanly(proc, 5)
+    assert "async_array: exit waits up to 2 s ($ASYNC_ARRAY_EXIT_GRACE) for the pool's" in (
+        proc.stderr
+    )
+
+
 def test_a_bad_exit_grace_fails_at_import():
     proc = run_script("import async_array", env={"ASYNC_ARRAY_EXIT_GRACE": "soon"})
     assert proc.returncode == 1

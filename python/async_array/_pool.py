@@ -212,7 +212,15 @@ def _at_exit() -> None:
     # ("FATAL: exception not rethrown"). Which task is inside C++ cannot be
     # known, so wait for running tasks, as concurrent.futures waits for its
     # workers; bounded, since a task may also sleep for an hour.
-    _core.wait_for_running_tasks(max(0.0, deadline - time.monotonic()))
+    if not _core.wait_for_running_tasks(min(1.0, grace)):
+        # Said once, so that a quiet exit of up to `grace` seconds is explained.
+        print(
+            f"async_array: exit waits up to {grace:g} s (${ENV_EXIT_GRACE}) for the "
+            "pool's tasks still running",
+            file=sys.stderr,
+            flush=True,
+        )
+        _core.wait_for_running_tasks(max(0.0, deadline - time.monotonic()))
     if not jax_work.drain(max(0.0, deadline - time.monotonic())):
         # Past the grace, the tasks whose hand-off just ended still free their
         # results (JAX's C++ again): a short wait more.

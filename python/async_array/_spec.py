@@ -263,7 +263,7 @@ def _check_sharding(sharding: Sharding, aval: Any, where: str) -> None:
         raise type(exc)(f"{where}: {text}") from None
     except Exception as exc:
         cheap = exc
-    raise ValueError(f"{where}: sharding {sharding} does not fit shape {aval.shape}: {cheap}")
+    raise ValueError(f"{where}: sharding {sharding} does not fit shape {aval.shape}") from cheap
 
 
 def _broadcast_shardings(sharding: Any, like: Any, n: int, where: str) -> list[Any]:
