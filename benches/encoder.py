@@ -433,32 +433,30 @@ def _recording_safetensors(run: Run) -> None:
     _safetensors.convert_one = recording
 
 
-def c_aa_jax_jit(run: Run):
+def _load_safetensors_then(run: Run, jit_name: str):
+    """aa.load_safetensors, then the forward pass through ``jax.jit`` or
+    ``aa.jit`` (``jit_name``), compiled while the tensors load."""
     import jax
 
     import async_array as aa
 
+    jit = {"jax.jit": jax.jit, "aa.jit": aa.jit}[jit_name]
     _recording_safetensors(run)
     run.start()
     params = aa.load_safetensors(run.source)
     loaded = _ready_clock(params)
-    out = jax.jit(run.forward)(params, run.ids)
+    out = jit(run.forward)(params, run.ids)
     host = out.block_until_ready()
     run.mark("load", loaded())
     return params, host
+
+
+def c_aa_jax_jit(run: Run):
+    return _load_safetensors_then(run, "jax.jit")
 
 
 def c_aa_aa_jit(run: Run):
-    import async_array as aa
-
-    _recording_safetensors(run)
-    run.start()
-    params = aa.load_safetensors(run.source)
-    loaded = _ready_clock(params)
-    out = aa.jit(run.forward)(params, run.ids)
-    host = out.block_until_ready()
-    run.mark("load", loaded())
-    return params, host
+    return _load_safetensors_then(run, "aa.jit")
 
 
 def python_loader(run: Run):

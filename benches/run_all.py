@@ -339,27 +339,22 @@ def rss_rows(t: Table, by: dict, labels: list[str]) -> None:
         small_t = by.get((f"10k leaves, {group_kind}", "async_array"))
         big_t = by.get((f"{big} leaves, {group_kind}", "async_array"))
         if small_t and big_t:
-            growth = (big_t["stats"]["median"] / big_t["extra_info"]["leaves"]) / (
-                small_t["stats"]["median"] / small_t["extra_info"]["leaves"]
-            )
-            t.add(
+            _growth_row(
+                t,
                 f"{way}: time per leaf, {big} / 10k",
-                growth,
-                fmt=lambda r: f"{r:.2f}x",
-                target="≤ 1.5x",
-                met=growth <= 1.5,
+                small_t["stats"]["median"] / small_t["extra_info"]["leaves"],
+                big_t["stats"]["median"] / big_t["extra_info"]["leaves"],
             )
         small_m = extra("RSS per ready leaf, 10k leaves", way, "rss_per_leaf")
         big_m = extra(f"RSS per ready leaf, {big} leaves", way, "rss_per_leaf")
         if small_m and big_m:
-            growth = big_m / small_m
-            t.add(
-                f"{way}: RSS per leaf, {big} / 10k",
-                growth,
-                fmt=lambda r: f"{r:.2f}x",
-                target="≤ 1.5x",
-                met=growth <= 1.5,
-            )
+            _growth_row(t, f"{way}: RSS per leaf, {big} / 10k", small_m, big_m)
+
+
+def _growth_row(t: Table, figure: str, small: float, big: float) -> None:
+    """How much a per-leaf figure grew from 10k leaves to the most (target ≤ 1.5x)."""
+    growth = big / small
+    t.add(figure, growth, fmt=lambda r: f"{r:.2f}x", target="≤ 1.5x", met=growth <= 1.5)
 
 
 def overlap_rows(t: Table, g: str, title: str, med) -> None:
