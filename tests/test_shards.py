@@ -276,7 +276,7 @@ def test_a_spanning_call_is_confirmed_once_after_its_last_leaf(monkeypatch):
         f.set_result([np.float32(k)])
         done.append(f)
     pending = _core.Future()
-    group = _multiprocess._Group(7, "async_map(f)", 4)
+    group = _multiprocess._Group(7, 4)
     sources = [_FakeSource(f, 7 + k) for k, f in enumerate([*done, pending])]
     for source in sources:
         group.add(source)

@@ -20,6 +20,7 @@ import functools
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -80,7 +81,7 @@ def track(specs: Any, sources: list[Any]) -> None:
         parts = [(sources[0], ids)]
     else:
         parts = [(source, [ids[i]]) for i, source in enumerate(sources) if ids[i] >= 0]
-    group = _Group(next(n for n in ids if n >= 0), specs.name, len(parts))
+    group = _Group(next(n for n in ids if n >= 0), len(parts))
     for source, source_ids in parts:
         source.global_ids = source_ids
         group.add(source)
@@ -94,11 +95,10 @@ def next_call_number() -> int:
 class _Group:
     """The spanning sources of one call on this process, and their progress."""
 
-    __slots__ = ("entries", "key", "lock", "name", "outstanding")
+    __slots__ = ("entries", "key", "lock", "outstanding")
 
-    def __init__(self, key: int, name: str, sources: int) -> None:
+    def __init__(self, key: int, sources: int) -> None:
         self.key = key  # the call's first global leaf number: the same on every process
-        self.name = name
         self.lock = threading.Lock()
         self.entries: list[tuple[Any, _core.Future, _core.Future]] = []
         # Counted in full before the first add: a future already done runs
@@ -233,20 +233,35 @@ class _Confirmer:
         store = client()
         if store is None:
             return {}
-        me = jax.process_index()
         ids = {n for source, _, _ in group.entries for n in source.global_ids if n >= 0}
-        for other in range(jax.process_count()):
-            if other == me:
-                continue
-            while not self._stop:
-                try:
-                    store.blocking_key_value_get(f"{PREFIX}done/{group.key}/{other}", SLICE_MS)
-                    break
-                except Exception:
-                    failed = _failed_among(store, ids)
-                    if failed:
-                        return failed
+        failed: dict[int, str] = {}
+
+        def give_up() -> bool:
+            failed.update(_failed_among(store, ids))
+            return self._stop or bool(failed)
+
+        for other in _others():
+            if _wait_for_key(store, f"{PREFIX}done/{group.key}/{other}", give_up) is None:
+                return failed
         return _failed_among(store, ids)
+
+
+def _others() -> list[int]:
+    """The other processes of the job."""
+    me = jax.process_index()
+    return [p for p in range(jax.process_count()) if p != me]
+
+
+def _wait_for_key(store: Any, key: str, give_up: Callable[[], bool]) -> str | None:
+    """What another process set at ``key``, waited for in slices of
+    ``SLICE_MS``; None as soon as ``give_up()`` is true between two slices
+    (it may also raise)."""
+    while True:
+        try:
+            return store.blocking_key_value_get(key, SLICE_MS)
+        except Exception:
+            if give_up():
+                return None
 
 
 def _failed_among(store: Any, ids: set[int]) -> dict[int, str]:
@@ -307,29 +322,25 @@ def agree(number: int, failure: str | None, leaves: list[tuple[int, str]], name:
     store = client()
     if store is None:
         return
-    me = jax.process_index()
-    store.key_value_set(f"{PREFIX}call/{number}/{me}", "ok" if failure is None else failure)
+    store.key_value_set(
+        f"{PREFIX}call/{number}/{jax.process_index()}", "ok" if failure is None else failure
+    )
     if failure is not None:
         return
-    for other in range(jax.process_count()):
-        if other == me:
-            continue
-        key = f"{PREFIX}call/{number}/{other}"
-        while True:
-            try:
-                said = store.blocking_key_value_get(key, SLICE_MS)
-                break
-            except Exception:
-                _raise_if_failed(store, leaves, name)
+    for other in _others():
+        said = _wait_for_key(
+            store, f"{PREFIX}call/{number}/{other}", lambda: _raise_if_failed(store, leaves, name)
+        )
         if said != "ok":
             raise RemoteFailure(f"{name}: not run, because {said}")
 
 
-def _raise_if_failed(store: Any, leaves: list[tuple[int, str]], name: str) -> None:
-    if not leaves:
-        return
-    failed = dict(store.key_value_dir_get(f"{PREFIX}failed/"))
-    for n, path in leaves:
-        text = failed.get(f"{PREFIX}failed/{n}")
-        if text is not None:
-            raise RemoteFailure(f"{name}: not run, because input {path} failed on {text}")
+def _raise_if_failed(store: Any, leaves: list[tuple[int, str]], name: str) -> bool:
+    """Raises RemoteFailure when one of ``leaves`` failed on another process;
+    else false (the wait goes on)."""
+    if leaves:
+        failed = _failed_among(store, {n for n, _ in leaves})
+        for n, path in leaves:
+            if n in failed:
+                raise RemoteFailure(f"{name}: not run, because input {path} failed on {failed[n]}")
+    return False

@@ -136,14 +136,14 @@ class JaxWork:
     def __exit__(self, *exc: object) -> None:
         self.leave()
 
-    def drain(self, timeout: float) -> bool:
+    def drain(self, timeout: float) -> None:
         """Refuses new work, then waits for the work inside JAX to end: up to
         ``timeout`` seconds quietly, then as long as it runs, saying so on
-        stderr once. Returns false when it waited past ``timeout``."""
+        stderr once."""
         with self._changed:
             self._exiting = True
             if self._changed.wait_for(lambda: self._active <= 0, timeout):
-                return True
+                return
             print(
                 f"async_array: exit waits for {self._active} piece(s) of work inside JAX "
                 "(a hand-off, an aa.jit compile or run) to end: a thread stopped inside "
@@ -152,7 +152,6 @@ class JaxWork:
                 flush=True,
             )
             self._changed.wait_for(lambda: self._active <= 0)
-            return False
 
     def before_fork(self) -> None:
         """Holds off new JAX work and waits (at most :data:`FORK_GRACE`
@@ -221,10 +220,9 @@ def _at_exit() -> None:
             flush=True,
         )
         _core.wait_for_running_tasks(max(0.0, deadline - time.monotonic()))
-    if not jax_work.drain(max(0.0, deadline - time.monotonic())):
-        # Past the grace, the tasks whose hand-off just ended still free their
-        # results (JAX's C++ again): a short wait more.
-        _core.wait_for_running_tasks(min(grace, 2.0))
+    # A task's value freed after this is not freed at all (the core leaks what
+    # nobody holds once exit began): freeing jax.Arrays enters JAX's C++ too.
+    jax_work.drain(max(0.0, deadline - time.monotonic()))
 
 
 exit_grace()  # a bad value fails at import, not silently at exit

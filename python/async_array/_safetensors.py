@@ -479,7 +479,7 @@ def _is_index(source: str) -> bool:
 
 def _open_all(
     source: str, timeout: float | None, retries: int, wanted: set[str] | None = None
-) -> tuple[dict[str, tuple[_Header, int]], list[_Header]]:
+) -> dict[str, tuple[_Header, int]]:
     """Every tensor name -> (its file's header, its index there), for one
     file or an index of several (their headers read concurrently, on the pool).
     With ``wanted`` (the names ``like`` asks for), an index's files that hold
@@ -487,7 +487,7 @@ def _open_all(
     asked for fails nothing."""
     if not _is_index(source):
         header = _open_header(source, timeout, retries)
-        return {name: (header, t) for name, t in header.index.items()}, [header]
+        return {name: (header, t) for name, t in header.index.items()}
     full_map = weight_map = _read_index(source, timeout, retries)
     if wanted is not None:
         weight_map = {name: file for name, file in weight_map.items() if name in wanted}
@@ -513,7 +513,7 @@ def _open_all(
         if t is None:
             raise KeyError(f"{source}: the index puts tensor {name!r} in {file}, which lacks it")
         where[name] = (header, t)
-    return where, list(headers.values())
+    return where
 
 
 def load_safetensors(
@@ -643,7 +643,7 @@ def load_safetensors(
     name = f"{_NAME}({source!r})"
     if like is None:
         # On the pool, waited for here: Ctrl-C interrupts the wait.
-        where, _ = _core.submit(_open_all, source, timeout, retries).result()
+        where = _core.submit(_open_all, source, timeout, retries).result()
         like = {
             tensor: jax.ShapeDtypeStruct(
                 tuple(header.entries[t][3]),
@@ -717,7 +717,7 @@ def _retries(retries: Any) -> int:
 
 
 def _open_and_plan(load: _Load, source: str, timeout: float | None, retries: int) -> None:
-    where, _ = _open_all(source, timeout, retries, set(load.names))
+    where = _open_all(source, timeout, retries, set(load.names))
     load.plan(where, source)
     load.pump()
 
