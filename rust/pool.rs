@@ -79,8 +79,10 @@ struct State {
     /// Threads of the urgent lane: beyond `max_workers`, each runs jobs of
     /// `lane` only and ends when none is left (never sleeps, not in `threads`).
     urgent_threads: usize,
-    /// Workers between taking a job and finishing it (a batch counts once).
+    /// Threads between taking a job and finishing it (a batch counts once).
     running_jobs: usize,
+    /// Of those, the workers (not threads of the urgent lane).
+    worker_jobs: usize,
     /// Threads in `wait_for_running_jobs`.
     idle_waiters: usize,
     shutdown: bool,
@@ -109,6 +111,12 @@ impl State {
         let mut all = std::mem::take(&mut self.lane);
         all.append(&mut self.queue);
         all
+    }
+
+    /// True when a worker will look at the queue without a new wake-up: one
+    /// starting, woken, between jobs, or asleep (each submission woke one).
+    fn worker_on_its_way(&self) -> bool {
+        self.sleeping > 0 || self.threads > self.worker_jobs
     }
 
     /// True when this worker is one too many.
@@ -198,6 +206,7 @@ impl Pool {
                     blocked: 0,
                     urgent_threads: 0,
                     running_jobs: 0,
+                    worker_jobs: 0,
                     idle_waiters: 0,
                     shutdown: false,
                     running: Vec::new(),
@@ -315,16 +324,24 @@ impl Pool {
         Ok(())
     }
 
-    /// Moves the queued job with `key` to the front: a thread that waits on a
-    /// task must not wait behind every task queued before it. The next free
-    /// worker takes it (its submission already woke or started one if any
-    /// was free). A no-op when no queued job has that key (it runs already).
+    /// Runs the queued job with `key` next: a thread that waits on a task must
+    /// not wait behind every task queued before it, nor for a running one to
+    /// end. It goes to the front of the queue when a worker is on its way to
+    /// the queue or may start, else to a thread of the urgent lane (see
+    /// [`URGENT_LANE`]). A no-op when no queued job has that key (it runs
+    /// already).
     pub fn run_next(&self, key: usize) {
         let mut st = lock(&self.inner.state);
         if let Some(at) = st.queue.iter().position(|job| job.key() == key) {
             let job = st.queue.remove(at).expect("found above");
-            st.queue.push_front(job);
+            if st.worker_on_its_way() || st.busy_capacity_used() < st.max_workers {
+                st.queue.push_front(job);
+                self.wake_for_unclaimed_work(&mut st);
+            } else {
+                self.to_lane(&mut st, job);
+            }
         }
+        refuse(st);
     }
 
     /// Like `wake_or_spawn`, but only for queued work no worker is on its way to.
@@ -397,14 +414,17 @@ impl Pool {
         mut st: MutexGuard<'a, State>,
         slot: usize,
         job: Box<dyn Job>,
+        worker: bool,
     ) -> MutexGuard<'a, State> {
         st.running[slot] = job.abandon_handle();
         st.running_jobs += 1;
+        st.worker_jobs += usize::from(worker);
         drop(st);
         job.run();
         let mut st = lock(&self.inner.state);
         st.running[slot] = None;
         st.running_jobs -= 1;
+        st.worker_jobs -= usize::from(worker);
         if st.running_jobs == 0 && st.idle_waiters > 0 {
             self.inner.idle.notify_all();
         }
@@ -421,7 +441,7 @@ impl Pool {
         }
         let mut st = lock(&self.inner.state);
         while let Some(job) = st.lane.pop_front() {
-            st = self.run_job(st, slot, job);
+            st = self.run_job(st, slot, job, false);
         }
         st.urgent_threads -= 1;
         st.free_slots.push(slot);
@@ -453,7 +473,7 @@ impl Pool {
                 return;
             }
             if let Some(job) = st.pop() {
-                st = self.run_job(st, slot, job);
+                st = self.run_job(st, slot, job, true);
                 continue;
             }
             st.sleeping += 1;
@@ -584,6 +604,7 @@ impl Pool {
         st.threads = usize::from(me.is_some());
         st.urgent_threads = 0;
         st.running_jobs = usize::from(me.is_some());
+        st.worker_jobs = st.running_jobs;
         st.idle_waiters = 0;
         st.sleeping = 0;
         st.wakeups = 0;
@@ -926,9 +947,27 @@ mod tests {
 
     #[test]
     fn run_next_takes_a_waited_job_out_of_turn() {
+        // Every worker and every thread of the urgent lane busy: the waited
+        // job goes to the front of the queue.
         let gate = Arc::new(Mutex::new(()));
         let closed = lock(&gate);
         let (pool, held, _) = held_pool(&gate, 0);
+        let lane: Vec<F> = (0..URGENT_LANE)
+            .map(|_| {
+                let future = F::new();
+                let g = Arc::clone(&gate);
+                pool.submit_urgent(Box::new(Task {
+                    f: move || {
+                        drop(lock(&g));
+                        0
+                    },
+                    future: future.clone(),
+                }))
+                .unwrap();
+                future
+            })
+            .collect();
+        assert_eq!(pool.stats().urgent_lane, URGENT_LANE);
         let order = Arc::new(Mutex::new(Vec::new()));
         let behind: Vec<F> = (0..3)
             .map(|i| {
@@ -943,11 +982,26 @@ mod tests {
         pool.run_next(12345); // no such job: nothing happens
         drop(closed);
         assert_eq!(behind.iter().map(value).sum::<usize>() + value(&held), 3);
+        assert_eq!(lane.iter().map(value).sum::<usize>(), 0);
         assert_eq!(
             *lock(&order),
             [2, 0, 1],
             "the waited one first, then in order"
         );
+    }
+
+    #[test]
+    fn a_waited_job_runs_while_every_worker_is_busy() {
+        // One worker, held by a long job: the waited job must not wait for it.
+        let gate = Arc::new(Mutex::new(()));
+        let closed = lock(&gate);
+        let (pool, held, behind) = held_pool(&gate, 2);
+        pool.run_next(behind[1].id());
+        assert_eq!(value(&behind[1]), 2, "ran on a thread of the urgent lane");
+        assert_eq!(pool.stats().queued, 1, "the other still waits");
+        drop(closed);
+        assert_eq!(value(&behind[0]), 1);
+        assert_eq!(value(&held), 0);
     }
 
     #[test]
