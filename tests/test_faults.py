@@ -10,7 +10,7 @@ import weakref
 import jax
 import numpy as np
 import pytest
-from conftest import WAIT, poll_until, run_script
+from conftest import WAIT, Gate, poll_until, run_script, wait_for
 
 import async_array as aa
 
@@ -353,6 +353,61 @@ def test_a_bad_exit_grace_fails_at_import():
     proc = run_script("import async_array", env={"ASYNC_ARRAY_EXIT_GRACE": "soon"})
     assert proc.returncode == 1
     assert "ASYNC_ARRAY_EXIT_GRACE must be a number of seconds >= 0, got 'soon'" in proc.stderr
+
+
+# -- Ctrl-C ---------------------------------------------------------------------------
+
+
+def test_an_async_map_interrupted_while_making_its_leaves_runs_and_logs_nothing(
+    monkeypatch, pool_size, async_array_log
+):
+    # Ctrl-C while 300k leaves were made: each pending leaf dropped by the
+    # raise set up a check for an unretrieved failure (0.3 s before the
+    # KeyboardInterrupt reached the user), and all 300k loads still ran.
+    from async_array import _multiprocess
+
+    pool_size(1)
+    holder = Gate(np.zeros(2, F32))
+    held = holder.leaf()
+    wait_for(holder.started, "the only worker to be taken")
+    ran = []
+
+    def interrupted(specs, sources):
+        raise KeyboardInterrupt  # once every leaf is made
+
+    monkeypatch.setattr(_multiprocess, "track", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        aa.async_map(lambda path, spec: ran.append(path) or _broken(), [SPEC] * 100)
+    monkeypatch.undo()
+    gc.collect()
+    holder.open()
+    assert held.result(timeout=WAIT).tolist() == [0.0, 0.0]
+    after = aa.async_map(lambda path, spec: np.ones(2, F32), [SPEC])
+    assert aa.materialize(after)[0].tolist() == [1.0, 1.0]  # behind the cancelled ones
+    assert ran == []
+    assert async_array_log.records == []
+
+
+def test_a_bulk_window_hands_its_objects_to_the_oldest_generation():
+    # The next young collection would walk all of them with the GIL held
+    # (0.2-0.6 s for 300k leaves, and a Ctrl-C waits for it).
+    gc.collect()
+    tree = aa.async_map(lambda path, spec: np.ones(2, F32), [SPEC] * 20_000)
+    oldest = {id(obj) for obj in gc.get_objects(generation=2)}
+    assert sum(id(leaf) in oldest for leaf in tree) == 20_000
+    assert gc.isenabled()
+    assert aa.materialize(tree)[-1].tolist() == [1.0, 1.0]
+
+
+def test_a_program_that_froze_objects_keeps_them_frozen():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        tree = aa.async_map(lambda path, spec: np.ones(2, F32), [SPEC] * 20_000)
+        assert gc.get_freeze_count() == frozen
+        assert len(aa.materialize(tree)) == 20_000
+    finally:
+        gc.unfreeze()
 
 
 # -- bad input fails at the call, naming it ---------------------------------------------

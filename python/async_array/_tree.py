@@ -29,18 +29,46 @@ FIRST_EXCEPTION = "FIRST_EXCEPTION"
 ALL_COMPLETED = "ALL_COMPLETED"
 
 
+# Threads inside a paused_gc window, and whether the collector was enabled
+# when the first of them entered (the last one out restores it).
+_pause_lock = threading.Lock()
+_pause_depth = 0
+_pause_restores = False
+
+# A window that made more tracked objects than this hands them to the oldest
+# generation at its end (see paused_gc).
+_PROMOTE_AFTER = 10_000
+
+
 @contextlib.contextmanager
 def paused_gc() -> Generator[None, None, None]:
     """Pauses the cyclic garbage collector while a tree's leaves are made or
     resolved in bulk: they are acyclic, and collections triggered by the
-    allocation count alone cost several microseconds a leaf on large trees."""
-    enabled = gc.isenabled()
-    gc.disable()
+    allocation count alone cost several microseconds a leaf on large trees.
+
+    Windows may overlap across threads: the collector resumes when the last
+    one ends. When the windows made more than ``_PROMOTE_AFTER`` objects, they
+    go to the oldest generation at once (``gc.freeze`` then ``gc.unfreeze``, an
+    O(1) list splice) instead of being walked by the next young collection: on
+    300k leaves that one collection took 0.2-0.6 s with the GIL held, and a
+    Ctrl-C waited for it (up to 330 ms measured; 58 ms with the splice). Skipped
+    when the program froze objects itself, whose freeze it would undo."""
+    global _pause_depth, _pause_restores
+    with _pause_lock:
+        if _pause_depth == 0:
+            _pause_restores = gc.isenabled()
+            gc.disable()
+        _pause_depth += 1
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _pause_lock:
+            _pause_depth -= 1
+            if _pause_depth == 0 and _pause_restores:
+                if gc.get_count()[0] > _PROMOTE_AFTER and gc.get_freeze_count() == 0:
+                    gc.freeze()
+                    gc.unfreeze()
+                gc.enable()
 
 
 def failure_of(leaf: AsyncArray) -> BaseException | None:
