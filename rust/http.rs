@@ -5,11 +5,17 @@
 //! Plain Rust. Every error names the URL and the byte range.
 
 use crate::error::Error;
+use crate::locks::{lock, wait_once};
 use crate::safetensors::{header_len, parse_header, TensorInfo, FIRST_READ};
 use std::io::Read;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// Idle keep-alive connections kept per host: the reads of one load share them.
+/// Requests in flight at once for one file (one `Http`), and idle keep-alive
+/// connections kept per host: the reads of one file share them. Unbounded, 208 pool
+/// workers opened 202 connections at once; a server's listen backlog
+/// (Python's `socketserver`: 5) dropped the rest, whose connects then waited
+/// out TCP's retransmission backoff (28 s of a 3 s load, issue 17).
 pub const POOL_CONNECTIONS: usize = 8;
 
 /// First wait before a retry; doubled at each retry, at most [`MAX_BACKOFF`].
@@ -22,8 +28,36 @@ pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct Http {
     agent: ureq::Agent,
+    in_flight: Arc<Slots>,
     pub timeout: Option<Duration>,
     pub retries: u32,
+}
+
+/// A counting semaphore: at most [`POOL_CONNECTIONS`] requests at once.
+struct Slots {
+    free: Mutex<usize>,
+    freed: Condvar,
+}
+
+/// One taken slot, given back when dropped.
+struct Slot<'a>(&'a Slots);
+
+impl Slots {
+    fn take(&self) -> Slot<'_> {
+        let mut free = lock(&self.free);
+        while *free == 0 {
+            free = wait_once(&self.freed, free, None);
+        }
+        *free -= 1;
+        Slot(self)
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        *lock(&self.0.free) += 1;
+        self.0.freed.notify_one();
+    }
 }
 
 /// Root certificates to trust: `$SSL_CERT_FILE` (PEM) when set, as OpenSSL
@@ -58,12 +92,17 @@ impl Http {
             .into();
         Ok(Http {
             agent,
+            in_flight: Arc::new(Slots {
+                free: Mutex::new(POOL_CONNECTIONS),
+                freed: Condvar::new(),
+            }),
             timeout,
             retries,
         })
     }
 
     /// Reads bytes `[start, end)` of `url`, passing them in order to `sink`,
+    /// once fewer than [`POOL_CONNECTIONS`] requests of this `Http` are in flight,
     /// retrying connection errors, a connection lost mid-body (the next
     /// attempt asks only for the bytes not yet received) and 5xx, with
     /// exponential backoff. Returns the file's total size from
@@ -83,6 +122,9 @@ impl Http {
         if end <= start {
             return Err(Failure::invalid("an empty range cannot be requested"));
         }
+        // The deadline starts once the request may start: a load of many
+        // reads queues them here, not against each one's timeout.
+        let _slot = self.in_flight.take();
         let deadline = self.timeout.and_then(|t| Instant::now().checked_add(t));
         let mut backoff = FIRST_BACKOFF;
         let mut attempt = 0;
