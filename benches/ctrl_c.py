@@ -78,9 +78,9 @@ def one_load(leaves: int, delay: float, collections: Collections) -> float | Non
         return (caught - sent[0]) * 1e3
     finally:
         collections.on = False
-    sender.join()
-    try:
-        time.sleep(1)  # the signal still comes: let it land here
+    try:  # the load ended first; the signal still comes: let it land here
+        sender.join()
+        time.sleep(1)
     except KeyboardInterrupt:
         pass
     return None

@@ -305,6 +305,9 @@ impl Http {
                 }
             }
         }
+        // Read to the end of the body (no bytes left): only then does ureq
+        // give the connection back to its pool for the next request.
+        let _ = reader.read(&mut chunk[..1]);
         Ok(total)
     }
 }

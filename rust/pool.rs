@@ -101,9 +101,10 @@ impl State {
         self.threads - self.blocked
     }
 
-    /// The next job for a worker.
+    /// The next job for a worker: urgent ones first (those the lane's
+    /// threads, all busy, have not taken yet).
     fn pop(&mut self) -> Option<Box<dyn Job>> {
-        self.queue.pop_front()
+        self.lane.pop_front().or_else(|| self.queue.pop_front())
     }
 
     /// Every queued job (the lane's first); both queues are left empty.
@@ -290,14 +291,14 @@ impl Pool {
     }
 
     /// Runs `job` on a thread of the urgent lane, started for it (up to
-    /// [`URGENT_LANE`] beyond `max_workers`); with the lane full, or when no
-    /// thread can start, it goes to the front of the queue instead.
+    /// [`URGENT_LANE`] beyond `max_workers`). With the lane full it waits in
+    /// the lane for the first of its threads or of the workers to come free;
+    /// when no thread can start, it goes to the front of the queue.
     fn to_lane(&self, st: &mut State, job: Box<dyn Job>) {
+        st.lane.push_back(job);
         if st.urgent_threads >= URGENT_LANE {
-            st.queue.push_front(job);
             return;
         }
-        st.lane.push_back(job);
         if !self.start_thread(st, true) {
             let job = st.lane.pop_back().expect("pushed above");
             st.queue.push_front(job);
@@ -346,7 +347,7 @@ impl Pool {
 
     /// Like `wake_or_spawn`, but only for queued work no worker is on its way to.
     fn wake_for_unclaimed_work(&self, st: &mut State) {
-        if st.queue.len() > st.wakeups {
+        if st.queue.len() + st.lane.len() > st.wakeups {
             self.wake_or_spawn(st);
         }
     }
@@ -948,16 +949,21 @@ mod tests {
     #[test]
     fn run_next_takes_a_waited_job_out_of_turn() {
         // Every worker and every thread of the urgent lane busy: the waited
-        // job goes to the front of the queue.
+        // job goes ahead of the queue, for the first thread to come free.
         let gate = Arc::new(Mutex::new(()));
         let closed = lock(&gate);
         let (pool, held, _) = held_pool(&gate, 0);
+        let lane_gate = Arc::new(Mutex::new(()));
+        let lane_closed = lock(&lane_gate);
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
         let lane: Vec<F> = (0..URGENT_LANE)
             .map(|_| {
                 let future = F::new();
-                let g = Arc::clone(&gate);
+                let g = Arc::clone(&lane_gate);
+                let started = started_tx.clone();
                 pool.submit_urgent(Box::new(Task {
                     f: move || {
+                        started.send(()).unwrap();
                         drop(lock(&g));
                         0
                     },
@@ -967,6 +973,9 @@ mod tests {
                 future
             })
             .collect();
+        for _ in 0..URGENT_LANE {
+            started_rx.recv_timeout(WAIT).unwrap(); // each on its own lane thread
+        }
         assert_eq!(pool.stats().urgent_lane, URGENT_LANE);
         let order = Arc::new(Mutex::new(Vec::new()));
         let behind: Vec<F> = (0..3)
@@ -982,12 +991,13 @@ mod tests {
         pool.run_next(12345); // no such job: nothing happens
         drop(closed);
         assert_eq!(behind.iter().map(value).sum::<usize>() + value(&held), 3);
-        assert_eq!(lane.iter().map(value).sum::<usize>(), 0);
         assert_eq!(
             *lock(&order),
             [2, 0, 1],
             "the waited one first, then in order"
         );
+        drop(lane_closed);
+        assert_eq!(lane.iter().map(value).sum::<usize>(), 0);
     }
 
     #[test]
@@ -1001,6 +1011,24 @@ mod tests {
         assert_eq!(pool.stats().queued, 1, "the other still waits");
         drop(closed);
         assert_eq!(value(&behind[0]), 1);
+        assert_eq!(value(&held), 0);
+    }
+
+    #[test]
+    fn waited_jobs_beyond_the_lane_run_as_its_threads_come_free() {
+        // One worker held; more waited jobs than the lane has threads: the
+        // extra ones run on a lane thread once it is done, not after the worker.
+        let gate = Arc::new(Mutex::new(()));
+        let closed = lock(&gate);
+        let (pool, held, behind) = held_pool(&gate, URGENT_LANE + 3);
+        for job in &behind {
+            pool.run_next(job.id());
+        }
+        assert_eq!(
+            behind.iter().map(value).collect::<Vec<_>>(),
+            (1..=URGENT_LANE + 3).collect::<Vec<_>>()
+        );
+        drop(closed);
         assert_eq!(value(&held), 0);
     }
 
