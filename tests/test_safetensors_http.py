@@ -36,7 +36,8 @@ class FaultServer:
     one byte at a time, waiting on an event the test never sets for up to
     ``slow`` seconds between bytes; ``ignore_range`` answers 200 with the whole
     file; ``gate`` an event each request waits for (``gated`` is set when one
-    does). ``requests`` lists every ``(path, start, end)`` asked for.
+    does). ``requests`` lists every ``(path, start, end)`` asked for, and
+    ``client_ports`` the client ports they came from (one a connection).
     """
 
     def __init__(self, folder, tls_context=None):
@@ -53,6 +54,7 @@ class FaultServer:
         self.gate: threading.Event | None = None
         self.gated = threading.Event()
         self.requests: list[tuple[str, int, int]] = []
+        self.client_ports: set[int] = set()
         self.lock = threading.Lock()
         self.closing = threading.Event()
         server = self
@@ -86,6 +88,8 @@ class FaultServer:
         self.httpd.server_close()
 
     def handle(self, h):
+        with self.lock:
+            self.client_ports.add(h.client_address[1])
         path = self.folder / h.path.lstrip("/")
         match = RANGE.match(h.headers.get("Range", ""))
         if not path.is_file():
@@ -239,6 +243,16 @@ def test_requests_in_flight_stay_bounded_however_many_workers(server, tmp_path, 
     for name, array in arrays.items():
         np.testing.assert_array_equal(got[name], array)
     assert counts["most"] == bound
+
+
+def test_requests_one_after_another_share_one_connection(server, weights, pool_size):
+    # Every request opened a new connection (and over HTTPS paid a handshake):
+    # ureq reuses one only after its body was read to the end.
+    pool_size(1)
+    got = aa.materialize(aa.load_safetensors(server.url("model.safetensors"), timeout=WAIT))
+    check(got, weights)
+    assert len(server.requests) >= 3
+    assert len(server.client_ports) == 1
 
 
 def test_5xx_is_retried_then_succeeds(server, weights):
