@@ -157,6 +157,19 @@ def test_tree_future_fails_as_soon_as_a_leaf_fails():
     slow.open()
 
 
+def test_tree_future_of_a_leaf_failed_before_it_fails_at_once():
+    # A leaf already failed when aa.future was called had no callback left to
+    # come: the tree future waited for every other leaf (1 run in 8 of the
+    # test above, whose failing loader can end before aa.future is called).
+    bad = failing_leaf(FileNotFoundError("404"))
+    assert isinstance(bad.exception(timeout=WAIT), FileNotFoundError)
+    slow = Gate(np.ones(2, F32))
+    tree = {"slow": slow.leaf(), "bad": bad}
+    with pytest.raises(FileNotFoundError, match="404"):
+        aa.future(tree).result(timeout=WAIT)
+    assert not tree["slow"].done()
+
+
 def test_tree_future_with_nothing_pending():
     fut = aa.future({"x": ready_leaf(3.0), "n": None})
     np.testing.assert_array_equal(fut.result(0)["x"], [3, 3, 3])

@@ -352,7 +352,8 @@ def future(tree: Any) -> concurrent.futures.Future:
     """
     p = _pending(tree)
     out: concurrent.futures.Future = concurrent.futures.Future()
-    if not p.futures:
+    # A leaf that failed before this call has no callback to come: settle now.
+    if not p.futures or any(failure_of(p.paths[i][1]) is not None for i in p.ready):
         _settle_tree(out, tree)
         return out
     left = [len(p.futures)]
