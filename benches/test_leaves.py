@@ -54,7 +54,11 @@ def count(request: pytest.FixtureRequest, label: str) -> int:
 
 
 def rounds_for(n: int, rounds: int) -> int:
-    return 1 if n >= 1_000_000 else rounds  # 1M: minutes a round for the twins
+    if n >= 1_000_000:
+        return 1  # minutes a round for the twins
+    # A 1k-leaf round takes ~10 ms, where one thread switch or collection
+    # moves a median of a few rounds by half: more rounds for small N.
+    return max(rounds, 100_000 // n)
 
 
 def load_one():

@@ -388,14 +388,25 @@ def test_an_async_map_interrupted_while_making_its_leaves_runs_and_logs_nothing(
     assert async_array_log.records == []
 
 
-def test_a_bulk_window_hands_its_objects_to_the_oldest_generation():
+@pytest.mark.parametrize("leaves", [1_000, 20_000])
+def test_a_bulk_window_hands_its_objects_to_the_oldest_generation(leaves):
     # The next young collection would walk all of them with the GIL held
-    # (0.2-0.6 s for 300k leaves, and a Ctrl-C waits for it).
+    # (0.2-0.6 s for 300k leaves, and a Ctrl-C waits for it); 1k leaves are
+    # above the young generation's threshold (700) too.
     gc.collect()
-    tree = aa.async_map(lambda path, spec: np.ones(2, F32), [SPEC] * 20_000)
+    tree = aa.async_map(lambda path, spec: np.ones(2, F32), [SPEC] * leaves)
     oldest = {id(obj) for obj in gc.get_objects(generation=2)}
-    assert sum(id(leaf) in oldest for leaf in tree) == 20_000
+    assert sum(id(leaf) in oldest for leaf in tree) == leaves
     assert gc.isenabled()
+    assert aa.materialize(tree)[-1].tolist() == [1.0, 1.0]
+
+
+def test_a_small_window_leaves_its_objects_young():
+    # Below the young generation's threshold nothing is due: no splice.
+    gc.collect()
+    tree = aa.async_map(lambda path, spec: np.ones(2, F32), [SPEC] * 10)
+    young = {id(obj) for obj in gc.get_objects(generation=0)}
+    assert sum(id(leaf) in young for leaf in tree) == 10
     assert aa.materialize(tree)[-1].tolist() == [1.0, 1.0]
 
 

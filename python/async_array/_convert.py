@@ -284,8 +284,30 @@ def convert_results(specs: LeafSpecs, holder: list[Any]) -> list[Any]:
             raise structure_error(specs, out, exc) from None
     del out
     results: list[Any] = [None] * len(values)
+    avals, shardings, committed = specs.avals, specs.shardings, specs.committed
+    copiers: dict[int, Any] = {}  # by id(sharding); shardings outlive the loop
     for i in range(len(values)):
         value, values[i] = values[i], None
+        # The common case in a tight loop (one numpy array a leaf, already of
+        # the leaf's shape and dtype, for one device): ~3 µs a leaf less.
+        aval = avals[i]
+        if (
+            type(value) is np.ndarray
+            and value.shape == aval.shape
+            and value.dtype == aval.dtype
+            and value.flags.c_contiguous
+        ):
+            sharding = shardings[i]
+            key = id(sharding)
+            copy = copiers.get(key, False)
+            if copy is False:
+                copy = copiers[key] = _jax_hooks.copier(sharding)
+            if copy is not None:
+                try:
+                    results[i] = copy(value, aval, committed[i])
+                    continue
+                except Exception:
+                    pass  # convert_one raises it again, with the leaf's name
         results[i] = convert_one(specs, i, value)
         del value
     return results

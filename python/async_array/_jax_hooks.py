@@ -430,6 +430,23 @@ def put_host(host: np.ndarray, aval: Any, sharding: Any, committed: bool, alias:
     return put_shards(shards, devices, aval, sharding, committed, False)
 
 
+def copier(sharding: Any) -> Callable[[np.ndarray, Any, bool], jax.Array] | None:
+    """A per-leaf hand-off for many leaves on ``sharding``: ``copy(host, aval,
+    committed)`` copies a C-contiguous numpy array of exactly the aval's shape
+    and dtype into a ``jax.Array`` during the call (as :func:`put_host` with
+    ``alias=False``), with none of :func:`put_host`'s per-leaf checks. None
+    when ``sharding`` is not one device's, or without the private hand-off."""
+    if _xc_batched is None or len(sharding.device_set) != 1:
+        return None
+    put, _, copy_during_call = _xc_batched
+    devices, _ = _placement(sharding, ())
+
+    def copy(host: np.ndarray, aval: Any, committed: bool) -> jax.Array:
+        return put(aval, sharding, [host], devices, committed, False, copy_during_call)
+
+    return copy
+
+
 def index_key(index: tuple[slice, ...]) -> tuple[Any, ...]:
     """A hashable key of a shard index (slices hash only from Python 3.12)."""
     return tuple((s.start, s.stop, s.step) for s in index)

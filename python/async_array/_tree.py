@@ -35,10 +35,6 @@ _pause_lock = threading.Lock()
 _pause_depth = 0
 _pause_restores = False
 
-# A window that made more tracked objects than this hands them to the oldest
-# generation at its end (see paused_gc).
-_PROMOTE_AFTER = 10_000
-
 
 @contextlib.contextmanager
 def paused_gc() -> Generator[None, None, None]:
@@ -47,12 +43,16 @@ def paused_gc() -> Generator[None, None, None]:
     allocation count alone cost several microseconds a leaf on large trees.
 
     Windows may overlap across threads: the collector resumes when the last
-    one ends. When the windows made more than ``_PROMOTE_AFTER`` objects, they
-    go to the oldest generation at once (``gc.freeze`` then ``gc.unfreeze``, an
-    O(1) list splice) instead of being walked by the next young collection: on
-    300k leaves that one collection took 0.2-0.6 s with the GIL held, and a
-    Ctrl-C waited for it (up to 330 ms measured; 58 ms with the splice). Skipped
-    when the program froze objects itself, whose freeze it would undo."""
+    one ends. When the young generation is then due a collection (more tracked
+    objects than its threshold, 700 by default), its objects go to the oldest
+    generation at once (``gc.freeze`` then ``gc.unfreeze``, an O(1) list
+    splice) instead of being walked by that collection: on 300k leaves that one
+    collection took 0.2-0.6 s with the GIL held, and a Ctrl-C waited for it (up
+    to 330 ms measured; 58 ms with the splice); on 1k leaves the collections
+    after the windows cost ~0.3-1.2 ms a call (a tenth of it). At most a
+    threshold's worth of objects made outside the windows goes along (the
+    collector would have run otherwise). Skipped when the program froze objects
+    itself, whose freeze it would undo."""
     global _pause_depth, _pause_restores
     with _pause_lock:
         if _pause_depth == 0:
@@ -65,7 +65,7 @@ def paused_gc() -> Generator[None, None, None]:
         with _pause_lock:
             _pause_depth -= 1
             if _pause_depth == 0 and _pause_restores:
-                if gc.get_count()[0] > _PROMOTE_AFTER and gc.get_freeze_count() == 0:
+                if gc.get_count()[0] > gc.get_threshold()[0] and gc.get_freeze_count() == 0:
                     gc.freeze()
                     gc.unfreeze()
                 gc.enable()
