@@ -5,7 +5,7 @@
 use crate::attach::{call_or_park, park_on_thread_exit};
 use crate::cycle::{find_cycle, BlockedOn};
 use crate::error::{Error, TaskError};
-use crate::future::{self, CompletionQueue, Outcome, Status, WeakFuture};
+use crate::future::{self, CompletionQueue, Countdown, Outcome, Status, WeakFuture};
 use crate::runtime::pool;
 use crate::task;
 use crate::wait::{deadline_after, wait_detached};
@@ -295,21 +295,13 @@ pub fn wait_all(
     timeout: Option<f64>,
 ) -> PyResult<bool> {
     let futures = core_futures(&futures);
-    let mut next = match futures.iter().position(|f| !f.is_finished()) {
-        None => return Ok(true),
-        Some(i) => i,
-    };
+    if futures.iter().all(|f| f.is_finished()) {
+        return Ok(true);
+    }
     let deadline = deadline_after(timeout)?;
     let _record = check_wait(py, &futures, false, timeout)?;
-    let done = wait_detached(py, pool(), deadline, |slice| {
-        match future::wait_all(&futures, next, slice) {
-            Ok(()) => Some(()),
-            Err(i) => {
-                next = i;
-                None
-            }
-        }
-    })?;
+    let all = Countdown::watch(&futures, false);
+    let done = wait_detached(py, pool(), deadline, |slice| all.wait_until(slice))?;
     Ok(done.is_some())
 }
 
@@ -330,8 +322,7 @@ pub fn wait_all_or_failure(
     if let Some(i) = futures.iter().position(failed) {
         return Ok((true, Some(i)));
     }
-    let mut left = futures.iter().filter(|f| !f.is_finished()).count();
-    if left == 0 {
+    if futures.iter().all(|f| f.is_finished()) {
         return Ok((true, None));
     }
     let deadline = deadline_after(timeout)?;
@@ -340,21 +331,10 @@ pub fn wait_all_or_failure(
         .filter(|&i| !futures[i].is_finished())
         .collect();
     let watched: Vec<CoreFuture> = pending.iter().map(|&i| futures[i].clone()).collect();
-    let queue = CompletionQueue::watch(&watched);
-    let stop = wait_detached(py, pool(), deadline, |slice| {
-        while let Some(k) = queue.pop_until(slice) {
-            if failed(&watched[k]) {
-                return Some(Some(pending[k]));
-            }
-            left -= 1;
-            if left == 0 {
-                return Some(None);
-            }
-        }
-        None
-    })?;
+    let all = Countdown::watch(&watched, true);
+    let stop = wait_detached(py, pool(), deadline, |slice| all.wait_until(slice))?;
     Ok(match stop {
-        Some(failed) => (true, failed),
+        Some(failed) => (true, failed.map(|k| pending[k])),
         None => (false, None),
     })
 }
