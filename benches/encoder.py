@@ -794,7 +794,12 @@ def run_child(name: str, cfg: Config, files: Files, source: str) -> dict[str, An
 
 
 def measure(
-    cfg: Config, rounds: int, bandwidth: float, latency: float, only: list[str] | None = None
+    cfg: Config,
+    rounds: int,
+    bandwidth: float,
+    latency: float,
+    only: list[str] | None = None,
+    only_source: str | None = None,
 ) -> dict[str, Any]:
     files = prepare(cfg)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {"file": {}, "http": {}}
@@ -802,6 +807,8 @@ def measure(
     names = [n for n in CONTENDERS if n not in missing and (not only or any(o in n for o in only))]
     with WeightServer(files.safetensors, bandwidth=bandwidth, latency=latency) as server:
         sources = {"file": str(files.safetensors), "http": server.url}
+        if only_source:
+            sources = {only_source: sources[only_source]}
         for r in range(rounds):
             order = names[r % len(names) :] + names[: r % len(names)]  # rotate: noise hits all
             for src, source in sources.items():
@@ -998,6 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency", type=float, default=20.0, help="ms a request (default 20)")
     parser.add_argument("--layers", type=int, default=BERT_BASE.layers, help="encoder layers (12)")
     parser.add_argument("--only", action="append", help="contenders whose name contains this")
+    parser.add_argument("--source", choices=["file", "http"], help="only this source")
     parser.add_argument("--json", type=Path, help="write the runs and medians here")
     parser.add_argument("--write", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--small-child", type=int, help=argparse.SUPPRESS)
@@ -1015,7 +1023,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT", json.dumps(child(name, cfg, cache_files(cfg), source)))
         return 0
     rounds = args.rounds or (5 if args.full else 2)
-    data = measure(cfg, rounds, args.bandwidth, args.latency, args.only)
+    data = measure(cfg, rounds, args.bandwidth, args.latency, args.only, args.source)
     summary = summarize(data)
     data["summary"] = summary
     data["small"] = measure_small(5 if args.full else 3)

@@ -434,7 +434,11 @@ def test_a_shape_with_more_elements_than_int64_counts_is_refused_at_the_call():
 
 
 def test_a_void_dtype_is_refused_at_the_call():
-    with pytest.raises(TypeError, match=r"async_wrap\(.*\): dtype \|V8 is not a JAX array dtype"):
+    with pytest.raises(
+        TypeError,
+        match=r"async_wrap\(.*\): dtype \|V8 is not a JAX array dtype \(expected bool, an integer, "
+        r"float or complex type, or one of ml_dtypes' such as bfloat16",
+    ):
         aa.async_wrap(_broken, shape=(2,), dtype="V8")
 
 

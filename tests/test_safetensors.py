@@ -2,6 +2,7 @@
 safetensors package, like= checks, malformed headers, the byte budget,
 progress."""
 
+import errno
 import json
 import struct
 import threading
@@ -193,8 +194,13 @@ def test_like_with_a_missing_file_fails_every_leaf(tmp_path):
 
 
 def test_missing_file_raises_at_the_call(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"nope\.safetensors"):
+    with pytest.raises(FileNotFoundError, match=r"load_safetensors: no such file: .*nope\.safet"):
         aa.load_safetensors(tmp_path / "nope.safetensors")
+    # As open() raises it: code that reads errno and filename finds them.
+    with pytest.raises(FileNotFoundError) as info:
+        aa.load_safetensors(str(tmp_path / "nope.safetensors"))
+    assert info.value.errno == errno.ENOENT
+    assert info.value.filename == str(tmp_path / "nope.safetensors")
 
 
 def entry(dtype="F32", shape=(2,), offsets=(0, 8), **drop):
@@ -271,6 +277,38 @@ def test_max_bytes_in_flight_bounds_what_is_allocated(tmp_path, monkeypatch):
         np.testing.assert_array_equal(np.asarray(got[k]), v)
     with lock:
         assert peaks and max(peaks) <= 2048
+
+
+def test_reads_of_a_local_file_run_on_one_core_fewer_than_there_are(tmp_path, monkeypatch):
+    # 128 KiB tensors: one job each. Without the bound every job starts at once.
+    arrays = {f"t{i:02d}": np.full((32768,), i, np.float32) for i in range(12)}
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(arrays, str(path))
+    peaks = []
+    pump = _safetensors._Load.pump
+
+    def watched(self):
+        pump(self)
+        with self.lock:
+            peaks.append(self.local_jobs)
+
+    monkeypatch.setattr(_safetensors._Load, "pump", watched)
+    monkeypatch.setattr(_safetensors, "_local_readers", lambda: 2)
+    aa.configure(max_workers=6)
+    try:
+        got = aa.materialize(aa.load_safetensors(path), timeout=30)
+    finally:
+        aa.configure(max_workers=None)
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(np.asarray(got[k]), v)
+    assert peaks and max(peaks) == 2
+
+
+def test_local_readers_leave_a_core_but_never_go_below_one(monkeypatch):
+    monkeypatch.setattr(_safetensors.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert _safetensors._local_readers() == 3
+    monkeypatch.setattr(_safetensors.os, "sched_getaffinity", lambda pid: {0})
+    assert _safetensors._local_readers() == 1
 
 
 def test_a_tensor_larger_than_the_budget_still_loads_alone(tmp_path):

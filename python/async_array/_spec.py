@@ -157,7 +157,10 @@ def _dtype(dtype: Any, where: str, fun_name: str) -> np.dtype:
     # Kind V holds ml_dtypes' types (bfloat16, float8_*, int4) and raw bytes
     # (V8, structs): only the former are JAX array dtypes.
     if dt.kind not in "biufcV" or (dt.kind == "V" and (dt.names is not None or dt.type is np.void)):
-        raise TypeError(f"{where}: dtype {dt} is not a JAX array dtype")
+        raise TypeError(
+            f"{where}: dtype {dt} is not a JAX array dtype (expected bool, an integer, "
+            "float or complex type, or one of ml_dtypes' such as bfloat16 or float8_e4m3fn)"
+        )
     if dt.byteorder == ">":
         dt = dt.newbyteorder("=")
     return _canonical(dt, fun_name)
