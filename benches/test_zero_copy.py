@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import async_array as aa
+from async_array import _core
 
 LEAVES = 64
 MiB = 1 << 20
@@ -105,3 +106,6 @@ def test_first_touch_fill(benchmark, rounds, way):
         make().fill(1)
 
     benchmark.pedantic(fill, rounds=rounds, iterations=1, warmup_rounds=1)
+    # Whether aa.empty asked for huge pages here (not on a VM that reports
+    # free pages to its host): the figure means little without it.
+    benchmark.extra_info["huge_pages"] = _core.huge_pages()

@@ -36,7 +36,7 @@ fn layout_for(len: usize) -> Option<Layout> {
 pub const ENV_HUGE_PAGES: &str = "ASYNC_ARRAY_HUGE_PAGES";
 
 /// Whether large buffers ask for huge pages (decided once a process).
-fn huge_pages() -> bool {
+pub fn huge_pages() -> bool {
     static HUGE: OnceLock<bool> = OnceLock::new();
     *HUGE.get_or_init(|| match std::env::var(ENV_HUGE_PAGES).as_deref() {
         Ok("1") => true,

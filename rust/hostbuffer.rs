@@ -503,3 +503,11 @@ impl ByteView {
 pub fn live_host_buffers() -> usize {
     buffer::live_buffers()
 }
+
+/// Whether buffers from 4 MiB on ask for transparent huge pages in this
+/// process (see `buffer`: not where a VM's balloon reports free pages, unless
+/// `ASYNC_ARRAY_HUGE_PAGES` says otherwise).
+#[pyfunction]
+pub fn huge_pages() -> bool {
+    buffer::huge_pages()
+}

@@ -46,6 +46,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runtime::wait_for_running_tasks, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::_after_fork_child, m)?)?;
     m.add_function(wrap_pyfunction!(hostbuffer::live_host_buffers, m)?)?;
+    m.add_function(wrap_pyfunction!(hostbuffer::huge_pages, m)?)?;
     m.add_function(wrap_pyfunction!(stfile::read_url_prefix, m)?)?;
     m.add_function(wrap_pyfunction!(stfile::tensor_bytes_read, m)?)?;
     Ok(())

@@ -745,3 +745,23 @@ def test_dlpack_requests_that_cannot_be_honoured(kwargs, message, live):
         buf.__dlpack__(**kwargs)
     assert buf.exported is False, "a refused export leaves the buffer writable"
     np.asarray(buf)[...] = 1.0
+
+
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_huge_pages_follow_the_environment_when_it_says(setting):
+    # Decided once a process: a fresh interpreter each.
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ASYNC_ARRAY_HUGE_PAGES": setting}
+    code = "import async_array._core as c; print(c.huge_pages())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("True" if setting == "1" else "False")
+    # Either way the memory is aligned and usable.
+    buf = np.asarray(aa.empty((8 << 20,), np.uint8))
+    buf[:] = 7
+    assert buf.ctypes.data % _core.ALIGNMENT == 0 and int(buf[-1]) == 7
