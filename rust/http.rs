@@ -8,11 +8,12 @@ use crate::error::Error;
 use crate::locks::{lock, wait_once};
 use crate::safetensors::{header_len, parse_header, TensorInfo, FIRST_READ};
 use std::io::Read;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-/// Requests in flight at once for one file (one `Http`), and idle keep-alive
-/// connections kept per host: the reads of one file share them. Unbounded, 208 pool
+/// Requests in flight at once to one server (scheme, host and port), whatever
+/// file of this process they read, and idle keep-alive connections kept per
+/// host by one file's agent: the reads of one file share them. Unbounded, 208 pool
 /// workers opened 202 connections at once; a server's listen backlog
 /// (Python's `socketserver`: 5) dropped the rest, whose connects then waited
 /// out TCP's retransmission backoff (28 s of a 3 s load, issue 17).
@@ -28,7 +29,6 @@ pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct Http {
     agent: ureq::Agent,
-    in_flight: Arc<Slots>,
     pub timeout: Option<Duration>,
     pub retries: u32,
 }
@@ -37,6 +37,39 @@ pub struct Http {
 struct Slots {
     free: Mutex<usize>,
     freed: Condvar,
+}
+
+/// The scheme, host and port of `url` (`http://h:8000` of
+/// `http://h:8000/a/b`), lowercased: the server a request goes to.
+fn origin(url: &str) -> String {
+    let after_scheme = url.find("://").map_or(0, |i| i + 3);
+    let end = url[after_scheme..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |i| after_scheme + i);
+    url[..end].to_ascii_lowercase()
+}
+
+/// The request slots of `url`'s server, shared by every file of this process
+/// read from it (an index of 30 files on one host, each with its own
+/// slots, could still have opened 240 connections at once).
+fn slots_for(url: &str) -> Arc<Slots> {
+    static BY_ORIGIN: Mutex<Vec<(String, Weak<Slots>)>> = Mutex::new(Vec::new());
+    let key = origin(url);
+    let mut all = lock(&BY_ORIGIN);
+    all.retain(|(_, slots)| slots.strong_count() > 0);
+    if let Some(slots) = all
+        .iter()
+        .find(|(k, _)| *k == key)
+        .and_then(|(_, s)| s.upgrade())
+    {
+        return slots;
+    }
+    let slots = Arc::new(Slots {
+        free: Mutex::new(POOL_CONNECTIONS),
+        freed: Condvar::new(),
+    });
+    all.push((key, Arc::downgrade(&slots)));
+    slots
 }
 
 /// One taken slot, given back when dropped.
@@ -92,17 +125,13 @@ impl Http {
             .into();
         Ok(Http {
             agent,
-            in_flight: Arc::new(Slots {
-                free: Mutex::new(POOL_CONNECTIONS),
-                freed: Condvar::new(),
-            }),
             timeout,
             retries,
         })
     }
 
     /// Reads bytes `[start, end)` of `url`, passing them in order to `sink`,
-    /// once fewer than [`POOL_CONNECTIONS`] requests of this `Http` are in flight,
+    /// once fewer than [`POOL_CONNECTIONS`] requests to its server are in flight (all files of this process),
     /// retrying connection errors, a connection lost mid-body (the next
     /// attempt asks only for the bytes not yet received) and 5xx, with
     /// exponential backoff. Returns the file's total size from
@@ -124,7 +153,8 @@ impl Http {
         }
         // The deadline starts once the request may start: a load of many
         // reads queues them here, not against each one's timeout.
-        let _slot = self.in_flight.take();
+        let slots = slots_for(url);
+        let _slot = slots.take();
         let deadline = self.timeout.and_then(|t| Instant::now().checked_add(t));
         let mut backoff = FIRST_BACKOFF;
         let mut attempt = 0;
@@ -430,6 +460,28 @@ impl RemoteFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn requests_to_one_server_share_its_slots() {
+        assert_eq!(
+            origin("HTTP://Host:8000/a/b.safetensors"),
+            "http://host:8000"
+        );
+        assert_eq!(origin("https://h?x=1"), "https://h");
+        let a = slots_for("http://127.0.0.1:9/a.safetensors");
+        let b = slots_for("http://127.0.0.1:9/b/c.safetensors");
+        let other = slots_for("http://127.0.0.1:10/a.safetensors");
+        assert!(Arc::ptr_eq(&a, &b));
+        assert!(!Arc::ptr_eq(&a, &other));
+        let taken: Vec<_> = (0..POOL_CONNECTIONS).map(|_| a.take()).collect();
+        assert_eq!(
+            *lock(&b.free),
+            0,
+            "the second file sees the first's requests"
+        );
+        drop(taken);
+        assert_eq!(*lock(&b.free), POOL_CONNECTIONS);
+    }
 
     #[test]
     fn content_range_must_match_the_request() {
