@@ -253,20 +253,26 @@ def test_a_file_shorter_than_8_bytes(tmp_path):
         aa.load_safetensors(path)
 
 
-def test_max_bytes_in_flight_bounds_what_is_allocated(tmp_path, monkeypatch):
-    arrays = {f"t{i:02d}": np.full((256,), i, np.float32) for i in range(20)}  # 1 KiB each
-    path = tmp_path / "m.safetensors"
-    safetensors.numpy.save_file(arrays, str(path))
-    peaks = []
-    lock = threading.Lock()
+def after_each_pump(monkeypatch, field: str) -> list[int]:
+    """Patches the load's ``pump`` to append ``field`` of the load (read
+    under its lock) after each call; returns that list."""
+    seen: list[int] = []
     pump = _safetensors._Load.pump
 
     def watched(self):
         pump(self)
         with self.lock:
-            peaks.append(self.in_flight)
+            seen.append(getattr(self, field))
 
     monkeypatch.setattr(_safetensors._Load, "pump", watched)
+    return seen
+
+
+def test_max_bytes_in_flight_bounds_what_is_allocated(tmp_path, monkeypatch):
+    arrays = {f"t{i:02d}": np.full((256,), i, np.float32) for i in range(20)}  # 1 KiB each
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(arrays, str(path))
+    peaks = after_each_pump(monkeypatch, "in_flight")
     aa.configure(max_workers=4)
     try:
         tree = aa.load_safetensors(path, max_bytes_in_flight=2500)
@@ -275,8 +281,7 @@ def test_max_bytes_in_flight_bounds_what_is_allocated(tmp_path, monkeypatch):
         aa.configure(max_workers=None)
     for k, v in arrays.items():
         np.testing.assert_array_equal(np.asarray(got[k]), v)
-    with lock:
-        assert peaks and max(peaks) <= 2048
+    assert peaks and max(peaks) <= 2048
 
 
 def test_reads_of_a_local_file_run_on_one_core_fewer_than_there_are(tmp_path, monkeypatch):
@@ -284,15 +289,7 @@ def test_reads_of_a_local_file_run_on_one_core_fewer_than_there_are(tmp_path, mo
     arrays = {f"t{i:02d}": np.full((32768,), i, np.float32) for i in range(12)}
     path = tmp_path / "m.safetensors"
     safetensors.numpy.save_file(arrays, str(path))
-    peaks = []
-    pump = _safetensors._Load.pump
-
-    def watched(self):
-        pump(self)
-        with self.lock:
-            peaks.append(self.local_jobs)
-
-    monkeypatch.setattr(_safetensors._Load, "pump", watched)
+    peaks = after_each_pump(monkeypatch, "local_jobs")
     monkeypatch.setattr(_safetensors, "_local_readers", lambda: 2)
     aa.configure(max_workers=6)
     try:
