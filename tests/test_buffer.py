@@ -747,6 +747,24 @@ def test_dlpack_requests_that_cannot_be_honoured(kwargs, message, live):
     np.asarray(buf)[...] = 1.0
 
 
+def test_a_bad_huge_pages_setting_fails_at_import():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ASYNC_ARRAY_HUGE_PAGES": "yes"}
+    out = subprocess.run(
+        [sys.executable, "-c", "import async_array"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0
+    assert "ValueError: ASYNC_ARRAY_HUGE_PAGES must be 1" in out.stderr
+    assert "got 'yes'" in out.stderr
+
+
 @pytest.mark.parametrize("setting", ["0", "1"])
 def test_huge_pages_follow_the_environment_when_it_says(setting):
     # Decided once a process: a fresh interpreter each.

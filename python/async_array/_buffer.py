@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -69,3 +70,20 @@ def empty(shape: int | tuple[int, ...], dtype: Any) -> HostBuffer:
 def aligned_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A numpy array over fresh 64-byte-aligned memory (for a one-copy hand-off)."""
     return np.asarray(empty(shape, dtype))
+
+
+ENV_HUGE_PAGES = "ASYNC_ARRAY_HUGE_PAGES"
+
+
+def _check_huge_pages_setting() -> None:
+    """A bad ``$ASYNC_ARRAY_HUGE_PAGES`` fails at import: the core reads only
+    ``1`` and ``0`` and would take anything else for unset, silently."""
+    raw = os.environ.get(ENV_HUGE_PAGES)
+    if raw not in (None, "", "0", "1"):
+        raise ValueError(
+            f"{ENV_HUGE_PAGES} must be 1 (always ask for huge pages), 0 (never) or unset "
+            f"(ask unless this VM hands free pages back to its host), got {raw!r}"
+        )
+
+
+_check_huge_pages_setting()

@@ -492,11 +492,14 @@ def _progress_callback(progress: Any) -> Callable[[int, int], None] | None:
 def _open_header(source: str, timeout: float | None, retries: int) -> _Header:
     try:
         return _Header(_core.SafetensorsFile(source, timeout=timeout, retries=retries))
-    except FileNotFoundError:
-        if _is_url(source):
-            raise
-        # As open() raises it: errno and filename set, for code that reads them.
-        raise FileNotFoundError(errno.ENOENT, f"{_NAME}: no such file", source) from None
+    except FileNotFoundError as exc:
+        if not _is_url(source):
+            # As open() raises it: errno and filename set, for code that reads them.
+            raise FileNotFoundError(errno.ENOENT, f"{_NAME}: no such file", source) from None
+        raise FileNotFoundError(f"{_NAME}: {exc}") from None
+    except (OSError, ValueError) as exc:  # TimeoutError is an OSError
+        # The core's message names the file and bytes; this names the call.
+        raise type(exc)(f"{_NAME}: {exc}") from None
 
 
 def _is_index(source: str) -> bool:
