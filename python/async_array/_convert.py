@@ -31,8 +31,9 @@ def _check_cast(src: np.dtype, dst: np.dtype, where: str) -> None:
     if not np.can_cast(src, dst, casting="same_kind"):
         raise invalid(
             TypeError,
-            f"{where}: expected dtype {dst}, got {src}; async_array casts only within "
-            "a kind (numpy same_kind: e.g. float64 to float32, int64 to int32)",
+            f"{where}: expected dtype {dst}, got {src}; async_array casts only where "
+            "numpy's same_kind does: within a kind (float64 to float32, int64 to int32) "
+            "or up a kind (bool to int, int to float, float to complex)",
         )
 
 
