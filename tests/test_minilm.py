@@ -198,7 +198,9 @@ def test_missing_file_fails_at_the_header_naming_the_url():
         url = server.url.replace("model.safetensors", "missing.safetensors")
         with pytest.raises(FileNotFoundError) as info:
             model.load(url, timeout=TIMEOUT)
-    assert str(info.value).startswith(f"{url}: header (bytes [0, 65536)): HTTP 404")
+    assert str(info.value).startswith(
+        f"load_safetensors: {url}: header (bytes [0, 65536)): HTTP 404"
+    )
 
 
 def test_server_ranges_and_bandwidth_knob():
