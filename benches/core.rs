@@ -7,7 +7,7 @@
 //! pool submit-to-done throughput by worker count. `benches/run_all.py` reads
 //! the medians from divan's table by these names, so rename both together.
 
-use async_array::future::{Countdown, Future, Outcome};
+use async_array::future::{wait_all, Future, Outcome};
 use async_array::pool::{Job, Pool};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -16,12 +16,6 @@ use std::time::{Duration, Instant};
 
 fn main() {
     divan::main();
-}
-
-/// Waits for all of `fs` as `aa.wait` and `aa.materialize` do: one
-/// countdown, one wake-up.
-fn wait_all(fs: &[F]) -> Option<Option<usize>> {
-    Countdown::watch(fs, false).wait_until(None)
 }
 
 type F = Future<u64, ()>;
@@ -131,7 +125,7 @@ mod wait_all_100k {
                 f
             })
             .collect();
-        bencher.bench(|| wait_all(&fs));
+        bencher.bench(|| wait_all(&fs, None));
     }
 
     /// Completed one by one by another thread while this one waits (the
@@ -151,7 +145,7 @@ mod wait_all_100k {
                     }
                     theirs
                 });
-                let all = wait_all(&fs);
+                let all = wait_all(&fs, None);
                 (all, fs, t.join().unwrap()) // dropped outside the timing
             });
     }
@@ -187,7 +181,7 @@ mod pool_submit_to_done_10k {
             } else {
                 jobs.for_each(|job| pool.submit(job).unwrap());
             }
-            wait_all(&fs)
+            wait_all(&fs, None)
         });
         pool.shutdown();
     }

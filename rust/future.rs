@@ -276,6 +276,21 @@ impl<T, E> Future<T, E> {
     }
 }
 
+/// Waits until every future is finished or `deadline` passes; true when all
+/// are. It waits on the last unfinished one first, then looks again: pool
+/// tasks finish about in the order they were queued, so one wake-up covers
+/// most of them (waiting on each in turn woke the waiter once a future), and
+/// nothing is registered on the futures, so a wait that times out, repeated,
+/// leaves nothing behind.
+pub fn wait_all<T, E>(futures: &[Future<T, E>], deadline: Option<Instant>) -> bool {
+    while let Some(i) = futures.iter().rposition(|f| !f.is_finished()) {
+        if !futures[i].wait_until(deadline) {
+            return false;
+        }
+    }
+    true
+}
+
 /// Waits for watched futures to finish, or for one to fail: the waiter wakes
 /// once, when the last one finishes or (with `stop_on_failure`) the first one
 /// fails or is cancelled, not at each completion. With one wake-up per
@@ -308,10 +323,14 @@ impl Countdown {
             cond: Condvar::new(),
         });
         for (i, future) in futures.iter().enumerate() {
-            let c = Arc::clone(&countdown);
+            // Weak: a waiter that timed out frees its countdown; the futures
+            // still pending keep only this small callback until they finish.
+            let c = Arc::downgrade(&countdown);
             future.add_done_callback(move |outcome| {
-                let failed = stop_on_failure && !matches!(outcome, Outcome::Value(_));
-                c.finished(i, failed);
+                if let Some(c) = c.upgrade() {
+                    let failed = stop_on_failure && !matches!(outcome, Outcome::Value(_));
+                    c.finished(i, failed);
+                }
             });
         }
         countdown
@@ -522,6 +541,33 @@ mod tests {
     }
 
     #[test]
+    fn wait_all_waits_for_every_future_whatever_the_order() {
+        let fs: Vec<F> = (0..4).map(|_| F::new()).collect();
+        fs[3].complete(Outcome::Value(3));
+        let soon = Some(Instant::now() + Duration::from_millis(10));
+        assert!(!wait_all(&fs, soon));
+        let theirs = fs.clone();
+        let finisher = thread::spawn(move || {
+            for i in [1usize, 0, 2] {
+                theirs[i].complete(Outcome::Value(i as u64));
+            }
+        });
+        assert!(wait_all(&fs, None));
+        assert!(fs.iter().all(|f| f.is_finished()));
+        finisher.join().unwrap();
+    }
+
+    #[test]
+    fn a_countdown_given_up_is_freed_while_its_futures_run() {
+        let fs: Vec<F> = (0..3).map(|_| F::new()).collect();
+        let all = Countdown::watch(&fs, true);
+        let weak = Arc::downgrade(&all);
+        drop(all);
+        assert!(weak.upgrade().is_none());
+        fs[0].complete(Outcome::Error("late".into())); // its callback finds nothing
+    }
+
+    #[test]
     fn countdown_counts_the_finished_and_times_out_on_the_rest() {
         let fs: Vec<F> = (0..4).map(|_| F::new()).collect();
         fs[0].complete(Outcome::Value(0));
@@ -615,7 +661,7 @@ mod tests {
                 })
             })
             .collect();
-        assert_eq!(Countdown::watch(&fs, false).wait_until(None), Some(None));
+        assert!(wait_all(&fs, None));
         for p in producers {
             p.join().unwrap();
         }

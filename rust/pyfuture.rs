@@ -300,8 +300,9 @@ pub fn wait_all(
     }
     let deadline = deadline_after(timeout)?;
     let _record = check_wait(py, &futures, false, timeout)?;
-    let all = Countdown::watch(&futures, false);
-    let done = wait_detached(py, pool(), deadline, |slice| all.wait_until(slice))?;
+    let done = wait_detached(py, pool(), deadline, |slice| {
+        future::wait_all(&futures, slice).then_some(())
+    })?;
     Ok(done.is_some())
 }
 

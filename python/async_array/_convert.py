@@ -287,7 +287,7 @@ def convert_one(specs: LeafSpecs, i: int, value: Any) -> Any:
             except Exception:
                 pass  # place() below raises it again, named
     try:
-        return place(value, specs.avals[i], specs.shardings[i], specs.committed[i], "")
+        return place(value, aval, specs.shardings[i], specs.committed[i], "")
     except Exception as exc:
         if getattr(exc, "_async_array_invalid", False):
             return type(exc)(f"{specs.where(i)}{exc}")

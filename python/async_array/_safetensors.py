@@ -565,10 +565,10 @@ def load_safetensors(
     at most 64 KiB per file); then each tensor is read on the pool, without the
     GIL, straight into a 64-byte-aligned ``HostBuffer`` that JAX takes with no
     copy (DLPack): ``pread`` for a file (neighbouring tensors under 64 KiB
-    share one pool task, up to 1 MiB; at most one task per usable core but
-    one at once, so a compile beside the load keeps a core); for a URL,
-    HTTP range requests on a
-    small pool of keep-alive connections, neighbouring tensors under 1 MiB in
+    share one pool task, up to 1 MiB; at most as many tasks at once as the
+    process has usable cores less one, at least one, so a compile beside the
+    load keeps a core); for a URL, HTTP range requests on a small pool of
+    keep-alive connections (at most 8 requests per server), neighbouring tensors under 1 MiB in
     one request (at most 4 MiB, skipping at most 64 KiB between two). A leaf
     is ready as soon as the read that holds its tensor is.
 
