@@ -333,7 +333,9 @@ pub fn wait_all_or_failure(
         .collect();
     let watched: Vec<CoreFuture> = pending.iter().map(|&i| futures[i].clone()).collect();
     let all = Countdown::watch(&watched, true);
-    let stop = wait_detached(py, pool(), deadline, |slice| all.wait_until(slice))?;
+    let stop = wait_detached(py, pool(), deadline, |slice| all.wait_until(slice));
+    all.unwatch(&watched); // also after a timeout or a signal
+    let stop = stop?;
     Ok(match stop {
         Some(failed) => (true, failed.map(|k| pending[k])),
         None => (false, None),
