@@ -320,7 +320,7 @@ pub fn wait_all<T, E>(futures: &[Future<T, E>], deadline: Option<Instant>) -> bo
 }
 
 /// Waits for watched futures to finish, or for one to fail: the waiter wakes
-/// once, when the last one finishes or (with `stop_on_failure`) the first one
+/// once, when the last one finishes or the first one
 /// fails or is cancelled, not at each completion. With one wake-up per
 /// completion, 100k leaves cost the waiting thread 70k context switches and
 /// the workers a core it took from them (2 cores).
@@ -333,17 +333,14 @@ pub struct Countdown {
 
 struct CountdownState {
     left: usize,
-    /// The first watched index to fail (stop_on_failure only).
+    /// The first watched index to fail or be cancelled.
     failed: Option<usize>,
     sleepers: usize,
 }
 
 impl Countdown {
     /// Watches `futures`; those already finished count at once, in index order.
-    pub fn watch<T: 'static, E: 'static>(
-        futures: &[Future<T, E>],
-        stop_on_failure: bool,
-    ) -> Arc<Self> {
+    pub fn watch<T: 'static, E: 'static>(futures: &[Future<T, E>]) -> Arc<Self> {
         let countdown = Arc::new(Countdown {
             state: Mutex::new(CountdownState {
                 left: futures.len(),
@@ -360,8 +357,7 @@ impl Countdown {
                 let c = Arc::downgrade(&countdown);
                 future.add_removable_callback(move |outcome| {
                     if let Some(c) = c.upgrade() {
-                        let failed = stop_on_failure && !matches!(outcome, Outcome::Value(_));
-                        c.finished(i, failed);
+                        c.finished(i, !matches!(outcome, Outcome::Value(_)));
                     }
                 })
             })
@@ -394,8 +390,8 @@ impl Countdown {
         }
     }
 
-    /// Waits until `deadline`: `Some(None)` when all finished (none failed,
-    /// with `stop_on_failure`), `Some(Some(i))` when watched future `i` was
+    /// Waits until `deadline`: `Some(None)` when all finished and none
+    /// failed, `Some(Some(i))` when watched future `i` was
     /// the first to fail, `None` on timeout.
     pub fn wait_until(&self, deadline: Option<Instant>) -> Option<Option<usize>> {
         let mut state = lock(&self.state);
@@ -608,7 +604,7 @@ mod tests {
         let fs: Vec<F> = (0..3).map(|_| F::new()).collect();
         fs[2].complete(Outcome::Value(2));
         for _ in 0..5 {
-            let all = Countdown::watch(&fs, true);
+            let all = Countdown::watch(&fs);
             let soon = Some(Instant::now() + Duration::from_millis(1));
             assert_eq!(all.wait_until(soon), None);
             all.unwatch(&fs);
@@ -632,14 +628,18 @@ mod tests {
     fn countdown_counts_the_finished_and_times_out_on_the_rest() {
         let fs: Vec<F> = (0..4).map(|_| F::new()).collect();
         fs[0].complete(Outcome::Value(0));
-        fs[1].complete(Outcome::Cancelled);
-        let all = Countdown::watch(&fs, false);
+        fs[1].complete(Outcome::Value(1));
+        let all = Countdown::watch(&fs);
         let soon = Some(Instant::now() + Duration::from_millis(10));
         assert_eq!(all.wait_until(soon), None);
         fs[2].complete(Outcome::Value(2));
         assert_eq!(all.wait_until(soon), None);
-        fs[3].complete(Outcome::Error("no".into()));
-        assert_eq!(all.wait_until(None), Some(None), "failures just count");
+        fs[3].complete(Outcome::Value(3));
+        assert_eq!(
+            all.wait_until(None),
+            Some(None),
+            "all finished, none failed"
+        );
     }
 
     #[test]
@@ -647,14 +647,14 @@ mod tests {
         let fs: Vec<F> = (0..5).map(|_| F::new()).collect();
         fs[3].complete(Outcome::Error("late".into()));
         fs[4].complete(Outcome::Cancelled);
-        let all = Countdown::watch(&fs, true);
+        let all = Countdown::watch(&fs);
         assert_eq!(
             all.wait_until(None),
             Some(Some(3)),
             "finished before the watch: the first in index order"
         );
         let fs: Vec<F> = (0..3).map(|_| F::new()).collect();
-        let all = Countdown::watch(&fs, true);
+        let all = Countdown::watch(&fs);
         let f = fs[2].clone();
         let failer = thread::spawn(move || f.complete(Outcome::Cancelled));
         assert_eq!(all.wait_until(None), Some(Some(2)));
@@ -666,7 +666,7 @@ mod tests {
     #[test]
     fn countdown_wakes_its_waiter_once() {
         let fs: Vec<F> = (0..1000).map(|_| F::new()).collect();
-        let all = Countdown::watch(&fs, true);
+        let all = Countdown::watch(&fs);
         let waiter = {
             let all = Arc::clone(&all);
             thread::spawn(move || all.wait_until(None))

@@ -332,7 +332,7 @@ pub fn wait_all_or_failure(
         .filter(|&i| !futures[i].is_finished())
         .collect();
     let watched: Vec<CoreFuture> = pending.iter().map(|&i| futures[i].clone()).collect();
-    let all = Countdown::watch(&watched, true);
+    let all = Countdown::watch(&watched);
     let stop = wait_detached(py, pool(), deadline, |slice| all.wait_until(slice));
     all.unwatch(&watched); // also after a timeout or a signal
     let stop = stop?;
