@@ -1,6 +1,7 @@
 """Per-leaf cost: one leaf; N leaves from one function; N leaves one task each;
-at N = 1k, 10k and 100k (and 1M without ``--quick``: one round; 3 to 7 GiB of RAM
-a way, and this process keeps about 14 GiB after the five 1M-leaf timings).
+at N = 1k, 10k and 100k (and 1M without ``--quick``: one timed round after an
+untimed one; 3 to 7 GiB of RAM a way, and this process keeps about 14 GiB after
+the five 1M-leaf timings).
 
 Each group: the ``async_array`` way and what a user would write without it,
 on the same ready numpy arrays, every way ending in ready ``jax.Array``s.
@@ -59,6 +60,16 @@ def rounds_for(n: int, rounds: int) -> int:
     # A 1k-leaf round takes ~10 ms, where one thread switch or collection
     # moves a median of a few rounds by half: more rounds for small N.
     return max(rounds, 100_000 // n)
+
+
+def warmup_rounds_for(n: int) -> int:
+    """Untimed rounds before the timed ones, for every way alike. At 1M leaves
+    the first round grows the heap by ~3 GiB, and on a VM whose balloon took
+    that memory back each new page costs ~10 us to touch (perf: clear_page_erms
+    under do_anonymous_page): +7-8 us a leaf for JAX's ways and ours alike, paid
+    by whichever way runs first in this process. Smaller N: pool threads,
+    caches and allocator arenas."""
+    return 1 if n >= 1_000_000 else max(1, rounds_for(n, 1) // 10)
 
 
 def load_one():
@@ -125,6 +136,7 @@ def run_ways(benchmark, executor, rounds, n, fn):
     out = benchmark.pedantic(
         lambda: jax.block_until_ready(fn(arrays, executor)),
         rounds=rounds_for(n, rounds),
+        warmup_rounds=warmup_rounds_for(n),
         iterations=1,
     )
     assert len(out) == n
