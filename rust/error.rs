@@ -64,6 +64,11 @@ pub enum Error {
     /// Reading a file or URL failed (the message says what, where, which
     /// bytes): `OSError`.
     Io(String),
+    /// As `Io`, where the OS gave an error number: `OSError(errno, message)`,
+    /// which Python makes the subclass for it (`ConnectionRefusedError` for
+    /// `ECONNREFUSED`, `PermissionError` for `EACCES`), as `open()` and
+    /// `socket` raise them.
+    Os { errno: i32, message: String },
     /// Data that does not follow its format (a malformed safetensors header):
     /// `ValueError`.
     Format(String),
@@ -135,8 +140,39 @@ impl From<Error> for PyErr {
             }),
             Error::NotFound(msg) => PyFileNotFoundError::new_err(msg),
             Error::Io(msg) => PyOSError::new_err(msg),
+            Error::Os { errno, message } => PyOSError::new_err((errno, message)),
             Error::Format(msg) => PyValueError::new_err(msg),
             Error::Deadline(msg) => PyTimeoutError::new_err(msg),
+        }
+    }
+}
+
+/// An I/O error's text without std's " (os error N)" suffix, and N: Python
+/// shows the number itself (`[Errno N]`) once it is the exception's errno.
+pub fn os_text(e: &std::io::Error) -> (String, Option<i32>) {
+    let text = e.to_string();
+    match e.raw_os_error() {
+        Some(n) => {
+            let suffix = format!(" (os error {n})");
+            (
+                text.strip_suffix(&suffix).unwrap_or(&text).to_owned(),
+                Some(n),
+            )
+        }
+        None => (text, None),
+    }
+}
+
+impl Error {
+    /// An I/O error of `what` (a path and what was read): `NotFound` for a
+    /// missing file, `Os` where the OS gave its number, else `Io`.
+    pub fn from_io(what: &str, e: &std::io::Error) -> Error {
+        let (text, errno) = os_text(e);
+        let message = format!("{what}: {text}");
+        match (e.kind(), errno) {
+            (std::io::ErrorKind::NotFound, _) => Error::NotFound(message),
+            (_, Some(errno)) => Error::Os { errno, message },
+            (_, None) => Error::Io(message),
         }
     }
 }
@@ -348,6 +384,40 @@ mod tests {
             raised::<PyOSError>(Error::Io("f: bytes [8, 16): EIO".into())),
             "f: bytes [8, 16): EIO"
         );
+    }
+
+    #[test]
+    fn an_os_error_number_picks_the_python_subclass_and_stays_its_errno() {
+        let refused = std::io::Error::from_raw_os_error(libc::ECONNREFUSED);
+        let err = Error::from_io("u: header (bytes [0, 8))", &refused);
+        let Error::Os { errno, message } = &err else {
+            panic!("expected Error::Os, got {err:?}");
+        };
+        // std's " (os error 111)" is dropped: Python shows "[Errno 111]" itself.
+        assert_eq!(
+            (*errno, message.as_str()),
+            (
+                libc::ECONNREFUSED,
+                "u: header (bytes [0, 8)): Connection refused"
+            )
+        );
+        Python::initialize();
+        Python::attach(|py| {
+            let e: PyErr = err.into();
+            let refused_type = py
+                .import("builtins")
+                .and_then(|b| b.getattr("ConnectionRefusedError"))
+                .unwrap();
+            assert!(e.value(py).is_instance(&refused_type).unwrap());
+            let got: i32 = e.value(py).getattr("errno").unwrap().extract().unwrap();
+            assert_eq!(got, libc::ECONNREFUSED);
+        });
+        let missing = std::io::Error::from_raw_os_error(libc::ENOENT);
+        assert!(
+            matches!(Error::from_io("f", &missing), Error::NotFound(m) if m == "f: No such file or directory")
+        );
+        let custom = std::io::Error::other("cut");
+        assert_eq!(Error::from_io("f", &custom), Error::Io("f: cut".into()));
     }
 
     #[test]

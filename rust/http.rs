@@ -165,18 +165,23 @@ impl Http {
             match self.attempt(url, from, end, upto, deadline, &mut got, sink) {
                 Ok(total) => return Ok(total),
                 Err(Attempt::Fatal(f)) => return Err(f),
-                Err(Attempt::Retry { detail, total }) => {
+                Err(Attempt::Retry {
+                    detail,
+                    errno,
+                    total,
+                }) => {
                     if let Some(total) = total {
                         // The size is known now: a resumed request asks for the rest exactly.
                         end = end.min(total);
                         upto = false;
                     }
                     if attempt >= self.retries {
-                        return Err(Failure::io(if attempt == 0 {
+                        let detail = if attempt == 0 {
                             format!("{detail} (after 1 attempt)")
                         } else {
                             format!("{detail} (after {} attempts)", attempt + 1)
-                        }));
+                        };
+                        return Err(Failure::os(detail, errno));
                     }
                     let now = Instant::now();
                     if deadline.is_some_and(|d| now + backoff >= d) {
@@ -219,8 +224,9 @@ impl Http {
                 _ => return Err(timed_out()),
             },
         };
-        let retry = |detail: String| Attempt::Retry {
+        let retry = |detail: String, errno: Option<i32>| Attempt::Retry {
             detail,
+            errno,
             total: None,
         };
         let response = self
@@ -238,12 +244,15 @@ impl Http {
             Err(ureq::Error::Io(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
                 return Err(Attempt::Fatal(Failure::io(e.to_string())))
             }
+            Err(ureq::Error::Io(e)) => {
+                let (text, errno) = crate::error::os_text(&e);
+                return Err(retry(text, errno));
+            }
             Err(
-                e @ (ureq::Error::Io(_)
-                | ureq::Error::ConnectionFailed
+                e @ (ureq::Error::ConnectionFailed
                 | ureq::Error::HostNotFound
                 | ureq::Error::Protocol(_)),
-            ) => return Err(retry(e.to_string())),
+            ) => return Err(retry(e.to_string(), None)),
             Err(e) => return Err(Attempt::Fatal(Failure::io(e.to_string()))),
         };
         let status = response.status().as_u16();
@@ -254,7 +263,7 @@ impl Http {
                     "HTTP {status} (not found)"
                 ))))
             }
-            500..=599 => return Err(retry(format!("HTTP {status} (server error)"))),
+            500..=599 => return Err(retry(format!("HTTP {status} (server error)"), None)),
             200 => {
                 return Err(Attempt::Fatal(Failure::io(
                     "HTTP 200: the server ignored the Range request (it must answer \
@@ -305,8 +314,9 @@ impl Http {
         let mut chunk = vec![0u8; 256 * 1024];
         let mut here = 0u64;
         // The connection ended before the body did: retried, asking for the rest.
-        let cut = |got: u64, cause: String| Attempt::Retry {
+        let cut = |got: u64, cause: String, errno: Option<i32>| Attempt::Retry {
             detail: format!("truncated body: {got} of {wanted} bytes received{cause}"),
+            errno,
             total: Some(total),
         };
         while here < end - start {
@@ -315,7 +325,7 @@ impl Http {
             }
             let want = ((end - start - here) as usize).min(chunk.len());
             match reader.read(&mut chunk[..want]) {
-                Ok(0) => return Err(cut(*got, String::new())),
+                Ok(0) => return Err(cut(*got, String::new(), None)),
                 Ok(n) => {
                     sink(&chunk[..n]);
                     here += n as u64;
@@ -331,7 +341,8 @@ impl Http {
                     if timeout {
                         return Err(timed_out());
                     }
-                    return Err(cut(*got, format!(" ({e})")));
+                    let (text, errno) = crate::error::os_text(&e);
+                    return Err(cut(*got, format!(" ({text})"), errno));
                 }
             }
         }
@@ -347,6 +358,7 @@ enum Attempt {
     /// file's size when the response gave it.
     Retry {
         detail: String,
+        errno: Option<i32>,
         total: Option<u64>,
     },
     Fatal(Failure),
@@ -367,32 +379,36 @@ pub enum FailureKind {
 pub struct Failure {
     pub kind: FailureKind,
     pub detail: String,
+    /// The OS's error number, where it gave one (`Io` only).
+    pub errno: Option<i32>,
 }
 
 impl Failure {
-    pub fn io(detail: String) -> Failure {
+    fn of(kind: FailureKind, detail: String) -> Failure {
         Failure {
-            kind: FailureKind::Io,
+            kind,
             detail,
+            errno: None,
+        }
+    }
+    pub fn io(detail: String) -> Failure {
+        Failure::of(FailureKind::Io, detail)
+    }
+    /// An I/O failure with the OS's error number, where it gave one.
+    pub fn os(detail: String, errno: Option<i32>) -> Failure {
+        Failure {
+            errno,
+            ..Failure::io(detail)
         }
     }
     pub fn not_found(detail: String) -> Failure {
-        Failure {
-            kind: FailureKind::NotFound,
-            detail,
-        }
+        Failure::of(FailureKind::NotFound, detail)
     }
     pub fn deadline(detail: String) -> Failure {
-        Failure {
-            kind: FailureKind::Deadline,
-            detail,
-        }
+        Failure::of(FailureKind::Deadline, detail)
     }
     pub fn invalid(detail: &str) -> Failure {
-        Failure {
-            kind: FailureKind::Invalid,
-            detail: detail.to_owned(),
-        }
+        Failure::of(FailureKind::Invalid, detail.to_owned())
     }
 
     /// The error, its message starting with `here` (the URL, what was read and its bytes).
@@ -400,7 +416,10 @@ impl Failure {
         let message = format!("{here}: {}", self.detail);
         match self.kind {
             FailureKind::NotFound => Error::NotFound(message),
-            FailureKind::Io => Error::Io(message),
+            FailureKind::Io => match self.errno {
+                Some(errno) => Error::Os { errno, message },
+                None => Error::Io(message),
+            },
             FailureKind::Deadline => Error::Deadline(message),
             FailureKind::Invalid => Error::InvalidArgument(message),
         }

@@ -247,11 +247,11 @@ impl Plan {
                 failure.clone()
             } else {
                 Failure {
-                    kind: failure.kind,
                     detail: format!(
                         "{} (the read of bytes [{start}, {end}) that held it)",
                         failure.detail
                     ),
+                    ..failure.clone()
                 }
             };
             let err = detail.at(&here);
@@ -309,14 +309,8 @@ impl Plan {
                     iov_len: p.len as usize,
                 });
             }
-            if let Err(detail) = preadv_exact(&file.file, &mut iov, group[0].src) {
-                self.fail_group(
-                    &file.path,
-                    &file.tensors,
-                    group,
-                    &Failure::io(detail),
-                    &mut results,
-                );
+            if let Err(failure) = preadv_exact(&file.file, &mut iov, group[0].src) {
+                self.fail_group(&file.path, &file.tensors, group, &failure, &mut results);
             }
         }
         results
@@ -388,12 +382,13 @@ impl Plan {
 }
 
 /// Reads exactly the bytes `iov` describes, from `offset` on (retried on
-/// interruption and short reads). The error says what went wrong.
+/// interruption and short reads). The failure says what went wrong, with
+/// the OS's error number where it gave one.
 fn preadv_exact(
     file: &std::fs::File,
     iov: &mut [libc::iovec],
     mut offset: u64,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
     use std::os::unix::io::AsRawFd;
     let total: usize = iov.iter().map(|v| v.iov_len).sum();
     let mut done = 0usize;
@@ -415,13 +410,14 @@ fn preadv_exact(
             if e.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
-            return Err(e.to_string());
+            let (text, errno) = crate::error::os_text(&e);
+            return Err(Failure::os(text, errno));
         }
         let mut n = n as usize;
         if n == 0 {
-            return Err(format!(
+            return Err(Failure::io(format!(
                 "the file ended after {done} of {total} bytes (it was truncated while being read?)"
-            ));
+            )));
         }
         TENSOR_BYTES_READ.fetch_add(n as u64, Ordering::Relaxed);
         done += n;

@@ -9,6 +9,7 @@
 //! allocated, and no allocation exceeds the file's size: a corrupt length
 //! fails with a message, never with an attempt to allocate it.
 
+use crate::error::Error;
 use serde_json::Value;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -310,23 +311,23 @@ pub fn pread_exact(
     mut buf: &mut [u8],
     mut offset: u64,
     what: &str,
-) -> Result<(), String> {
+) -> Result<(), Error> {
     let total = buf.len();
     while !buf.is_empty() {
         match file.read_at(buf, offset) {
             Ok(0) => {
-                return Err(format!(
+                return Err(Error::Format(format!(
                     "{what}: the file ended after {} of {total} bytes (it was truncated \
                      while being read?)",
                     total - buf.len()
-                ))
+                )))
             }
             Ok(n) => {
                 buf = &mut buf[n..];
                 offset += n as u64;
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(format!("{what}: {e}")),
+            Err(e) => return Err(Error::from_io(what, &e)),
         }
     }
     Ok(())
@@ -343,14 +344,13 @@ pub struct LocalFile {
 impl LocalFile {
     /// Opens `path` and reads its header: one read of at most [`FIRST_READ`]
     /// bytes, a second only for a longer header.
-    pub fn open(path: &str) -> Result<LocalFile, std::io::Error> {
-        let file =
-            File::open(path).map_err(|e| std::io::Error::new(e.kind(), format!("{path}: {e}")))?;
-        let len = file.metadata()?.len();
-        let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+    pub fn open(path: &str) -> Result<LocalFile, Error> {
+        let file = File::open(path).map_err(|e| Error::from_io(path, &e))?;
+        let len = file.metadata().map_err(|e| Error::from_io(path, &e))?.len();
+        let invalid = Error::Format;
         let mut first = vec![0u8; FIRST_READ.min(len) as usize];
         let what = format!("{path}: header (bytes [0, {}))", first.len());
-        pread_exact(&file, &mut first, 0, &what).map_err(invalid)?;
+        pread_exact(&file, &mut first, 0, &what)?;
         let n = header_len(path, &first, len).map_err(invalid)?;
         let json: Vec<u8> = if 8 + n <= first.len() as u64 {
             first[8..(8 + n) as usize].to_vec()
@@ -362,8 +362,7 @@ impl LocalFile {
                 &mut rest,
                 8,
                 &format!("{path}: header (bytes [8, {}))", 8 + n),
-            )
-            .map_err(invalid)?;
+            )?;
             rest
         };
         let tensors = parse_header(path, &json, len).map_err(invalid)?;

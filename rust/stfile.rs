@@ -9,7 +9,6 @@ use crate::readplan::Plan;
 use crate::safetensors::{LocalFile, TensorInfo};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
-use std::io::ErrorKind;
 use std::time::Duration;
 
 /// A timeout in seconds as Python gives it (None: none; negative: zero).
@@ -22,14 +21,6 @@ fn duration(timeout: Option<f64>) -> Result<Option<Duration>, Error> {
         Some(t) => Ok(Some(
             Duration::try_from_secs_f64(t.max(0.0)).unwrap_or(Duration::MAX),
         )),
-    }
-}
-
-fn io_error(err: std::io::Error) -> Error {
-    match err.kind() {
-        ErrorKind::NotFound => Error::NotFound(err.to_string()),
-        ErrorKind::InvalidData => Error::Format(err.to_string()),
-        _ => Error::Io(err.to_string()),
     }
 }
 
@@ -78,7 +69,7 @@ impl SafetensorsFile {
             let http = Http::new(duration(timeout)?, retries)?;
             Backing::Remote(py.detach(|| RemoteFile::open(&source, http))?)
         } else {
-            Backing::Local(py.detach(|| LocalFile::open(&source)).map_err(io_error)?)
+            Backing::Local(py.detach(|| LocalFile::open(&source))?)
         };
         Ok(SafetensorsFile { file })
     }

@@ -203,6 +203,16 @@ def test_missing_file_raises_at_the_call(tmp_path):
     assert info.value.filename == str(tmp_path / "nope.safetensors")
 
 
+def test_an_os_error_keeps_its_errno_and_python_subclass(tmp_path):
+    # A directory opens, and its first read fails with EISDIR: an OS error,
+    # not a malformed file.
+    with pytest.raises(IsADirectoryError) as info:
+        aa.load_safetensors(tmp_path)
+    assert info.value.errno == errno.EISDIR
+    assert info.value.strerror.startswith(f"load_safetensors: {tmp_path}: header (bytes [0, ")
+    assert info.value.strerror.endswith(")): Is a directory")
+
+
 def entry(dtype="F32", shape=(2,), offsets=(0, 8), **drop):
     e = {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
     return {k: v for k, v in e.items() if k not in drop}

@@ -3,9 +3,11 @@ each test, with fault knobs (slow bytes, 5xx then OK, 404, a truncated body,
 a wrong Content-Range or Content-Length, a Range request ignored), coalesced
 requests, multi-file indexes, and HTTPS with a certificate made in the test."""
 
+import errno
 import json
 import re
 import shutil
+import socket
 import ssl
 import subprocess
 import threading
@@ -276,6 +278,19 @@ def test_5xx_beyond_the_retries_fails_naming_url_and_bytes(server, weights):
 def test_404_raises_file_not_found_at_the_call(server, weights):
     with pytest.raises(FileNotFoundError, match=r"nope\.safetensors: header .*HTTP 404"):
         aa.load_safetensors(server.url("nope.safetensors"), timeout=30)
+
+
+def test_a_refused_connection_is_connection_refused_error_with_its_errno():
+    # A port bound but not listening refuses connections, and stays ours for the test.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/model.safetensors"
+        with pytest.raises(ConnectionRefusedError) as info:
+            aa.load_safetensors(url, timeout=30, retries=0)
+    assert info.value.errno == errno.ECONNREFUSED
+    assert info.value.strerror == (
+        f"load_safetensors: {url}: header (bytes [0, 65536)): Connection refused (after 1 attempt)"
+    )
 
 
 def test_truncated_body_fails_its_leaf(server, weights):

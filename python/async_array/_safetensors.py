@@ -497,8 +497,13 @@ def _open_header(source: str, timeout: float | None, retries: int) -> _Header:
             # As open() raises it: errno and filename set, for code that reads them.
             raise FileNotFoundError(errno.ENOENT, f"{_NAME}: no such file", source) from None
         raise FileNotFoundError(f"{_NAME}: {exc}") from None
-    except (OSError, ValueError) as exc:  # TimeoutError is an OSError
+    except OSError as exc:  # TimeoutError is an OSError
         # The core's message names the file and bytes; this names the call.
+        if exc.errno is None:
+            raise type(exc)(f"{_NAME}: {exc}") from None
+        # The OS's number stays the exception's errno (ConnectionRefusedError...).
+        raise type(exc)(exc.errno, f"{_NAME}: {exc.strerror}") from None
+    except ValueError as exc:
         raise type(exc)(f"{_NAME}: {exc}") from None
 
 
@@ -642,7 +647,11 @@ def load_safetensors(
         beyond ``retries``, a wrong ``Content-Range`` or ``Content-Length``, a
         server that ignores Range, a refused certificate. Each leaf of that
         read fails with its own error, naming the URL or path, its own tensor
-        (and shard) and its own byte range, never a neighbour's.
+        (and shard) and its own byte range, never a neighbour's. Where the OS
+        gave an error number it is the exception's ``errno``, and the type is
+        Python's subclass for it, as ``open()`` and ``socket`` raise them
+        (``ConnectionRefusedError``, ``ConnectionResetError``,
+        ``IsADirectoryError``, ``PermissionError``).
       TimeoutError: a request ran past ``timeout``.
       KeyError: an index names a tensor its file lacks.
       FileNotFoundError: an index names a file that does not exist (the
