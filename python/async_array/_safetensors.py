@@ -184,6 +184,10 @@ class _Load:
         self.local_limit = _local_readers()
         self.done_bytes = 0
         self.total_bytes = 0
+        # Reports go out one at a time and only forward: two reads that end
+        # together on two threads must not report 80 and then 40 bytes.
+        self.report_lock = threading.Lock()
+        self.reported = -1  # bytes_done last reported; -1: none yet
 
     def fail(self, i: int, exc: BaseException) -> None:
         self.futures[i].set_exception(exc)
@@ -301,11 +305,25 @@ class _Load:
             self.local_jobs -= local
             self.done_bytes += nbytes
             done, total = self.done_bytes, self.total_bytes
-        try:
-            if self.progress is not None:
+        self.report(done, total)
+
+    def started(self) -> None:
+        """A read job starts: the first reports ``(0, total)``, so that a
+        bar shows before the first read ends (over HTTP, seconds later)."""
+        if self.reported < 0:
+            self.report(0, self.total_bytes)
+
+    def report(self, done: int, total: int) -> None:
+        if self.progress is None:
+            return
+        with self.report_lock:
+            if done <= self.reported:
+                return
+            self.reported = done
+            try:
                 self.progress(done, total)
-        except Exception:  # the user's callback: logged, and the load goes on
-            _LOG.exception("%s: the progress callback raised", self.specs.name)
+            except Exception:  # the user's callback: logged, and the load goes on
+                _LOG.exception("%s: the progress callback raised", self.specs.name)
 
 
 class _Read(NamedTuple):
@@ -369,6 +387,7 @@ def _read_job(load: _Load, job: _Job) -> None:
     file = job.file
     specs, futures = load.specs, load.futures
     done: list[tuple[int, Any]] = []
+    load.started()
     try:
         reads = job.reads
         if not file.remote:  # a cancelled leaf is not read (over HTTP: one request anyway)
@@ -622,8 +641,10 @@ def load_safetensors(
         retried, after 0.1 s, then twice as long each time (at most 5 s).
       progress: False; True for one ``tqdm`` progress bar on stderr (bytes,
         MB/s, ETA; nothing when ``tqdm`` is not installed); or a callable,
-        called on a pool thread as ``progress(bytes_done, bytes_total)`` after
-        each read.
+        called on a pool thread as ``progress(bytes_done, bytes_total)``: once
+        with 0 as the first read starts, then after each read, one call at a
+        time and ``bytes_done`` always growing. ``bytes_total`` counts the
+        tensor bytes this process reads (its shards), not the file's size.
 
     Returns:
       A dict of ``AsyncArray`` by tensor name in file order (``like=None``), or
