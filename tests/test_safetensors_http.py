@@ -423,13 +423,17 @@ def test_an_index_naming_a_missing_file_names_it_and_its_tensors(
         if over_http
         else str(tmp_path / "model.safetensors.index.json")
     )
+    why = r".*model-2\.safetensors.*HTTP 404.*" if over_http else "no such file"
     message = (
-        rf"^{re.escape(source)}: names model-2\.safetensors, which does not exist "
-        rf"\(.*model-2\.safetensors.*\); it was to hold {len(lost)} tensors: "
+        rf"^(\[Errno 2\] )?load_safetensors: {re.escape(source)}: names model-2\.safetensors, "
+        rf"which does not exist \({why}\); it was to hold {len(lost)} tensors: "
         + re.escape(", ".join(repr(k) for k in lost[:3]))
     )
-    with pytest.raises(FileNotFoundError, match=message):
+    with pytest.raises(FileNotFoundError, match=message) as info:
         aa.load_safetensors(source, timeout=30)
+    if not over_http:  # as open() raises it: errno and the missing file's name
+        assert info.value.errno == errno.ENOENT
+        assert info.value.filename == str(tmp_path / "model-2.safetensors")
     # With like=, the leaves fail with it.
     like = {lost[0]: jax.ShapeDtypeStruct(weights[lost[0]].shape, weights[lost[0]].dtype)}
     tree = aa.load_safetensors(source, like=like, timeout=30)

@@ -559,10 +559,18 @@ def _open_all(
             shown = ", ".join(repr(name) for name in held[:5])
             more = ", ..." if len(held) > 5 else ""
             base = file.rsplit("/", 1)[-1] if _is_url(file) else os.path.basename(file)
-            raise FileNotFoundError(
-                f"{source}: names {base}, which does not exist ({exc}); it was to hold "
-                f"{len(held)} tensor{'s' if len(held) != 1 else ''}: {shown}{more}"
-            ) from None
+            if exc.errno is None:  # a URL: the core's message says why (HTTP 404)
+                why = str(exc).removeprefix(f"{_NAME}: ")
+            else:
+                why = "no such file"  # its path is the exception's filename
+            message = (
+                f"{_NAME}: {source}: names {base}, which does not exist ({why}); it was to "
+                f"hold {len(held)} tensor{'s' if len(held) != 1 else ''}: {shown}{more}"
+            )
+            if exc.errno is None:
+                raise FileNotFoundError(message) from None
+            # As open() raises it: errno and filename (the missing file) set.
+            raise FileNotFoundError(exc.errno, message, exc.filename) from None
     where = {}
     for name, file in weight_map.items():
         header = headers[file]
@@ -676,7 +684,8 @@ def load_safetensors(
       TimeoutError: a request ran past ``timeout``.
       KeyError: an index names a tensor its file lacks.
       FileNotFoundError: an index names a file that does not exist (the
-        message names the index, the file and the tensors it was to hold).
+        message names the index, the file and the tensors it was to hold; for
+        a local file ``errno`` is ``ENOENT`` and ``filename`` its path).
       TypeError, ValueError: bad arguments, at the call, naming
         ``load_safetensors``, the argument, what it must be and what came; a
         sharding that does not divide a tensor's shape (``jax.device_put``'s
