@@ -1,6 +1,6 @@
 """Shared set-up of the pytest-benchmark suites (``python -m pytest benches``).
 
-Every group holds an ``async_array`` case and its plain twin (STYLE.md item 13),
+Every group holds an ``async_array`` case and its plain twin,
 run back to back in this one process so that a noisy machine hits both alike;
 ``benches/run_all.py`` reads the medians and prints the ratios. ``--quick``
 runs fewer rounds (what ``make bench`` uses).

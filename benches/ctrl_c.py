@@ -1,4 +1,4 @@
-"""Ctrl-C latency during a many-leaf load (issue 15: goal 100 ms).
+"""Ctrl-C latency during a many-leaf load (goal: within 100 ms).
 
 Each round sends SIGINT to this process from another thread at a random
 moment while the main thread makes ``N`` leaves with ``aa.async_map`` (each a

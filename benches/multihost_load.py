@@ -1,4 +1,4 @@
-"""Sharded loading on a jax.distributed job (issue 16 item 9). Not part of
+"""Sharded loading on a jax.distributed job. Not part of
 ``make test`` or ``make bench``.
 
 4 processes x 2 CPU devices on 127.0.0.1; 1,000 leaves of (512, 256) float32

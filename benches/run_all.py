@@ -407,7 +407,7 @@ def overlap_rows(t: Table, g: str, title: str, med) -> None:
 
 
 def encoder_rows(t: Table, data: dict) -> None:
-    """Issue 17's and 18's encoder benchmark (``benches/encoder.py``)."""
+    """The encoder benchmark (``benches/encoder.py``)."""
     mb = data["bytes"] / 1e6
     for src, rows in data["summary"].items():
         first = next(iter(rows.values()))

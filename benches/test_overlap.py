@@ -121,7 +121,7 @@ def test_pipeline(benchmark, rounds, way):
     run_scenario(benchmark, rounds, STAGES, way)
 
 
-# -- what program order costs (issue 16 item 5) ------------------------------------------
+# -- what program order costs ------------------------------------------------------------
 # Two calls of one program: the first's input loads for ORDER_LOAD_S, the
 # second's is ready. aa.jit launches calls in program order only where order
 # matters (a donating program, or one spanning processes); otherwise the
