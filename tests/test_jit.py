@@ -6,6 +6,7 @@ test has seen what should happen while it loads); timings belong to the benchmar
 
 import concurrent.futures
 import functools
+import os
 import subprocess
 import sys
 import textwrap
@@ -613,8 +614,8 @@ def test_sharded_inputs_and_out_shardings(axis_type):
     ids=["at_once", "after_a_run"],
 )
 def test_exit_while_compiling_or_running_is_clean(before_exit):
-    # The pending loader sleeps for an hour: an exit that waited for it would
-    # hang until the subprocess timeout.
+    # The pending loader sleeps for an hour: an exit that waited for it beyond
+    # the grace would hang until the subprocess timeout.
     script = textwrap.dedent(
         f"""
         import sys, time
@@ -637,9 +638,11 @@ def test_exit_while_compiling_or_running_is_clean(before_exit):
         sys.exit(3)
         """
     )
+    # The sleeping loader holds exit for the grace: 1 s, not the default 30.
+    env = dict(os.environ, ASYNC_ARRAY_EXIT_GRACE="1")
     for _ in range(2):
         done = subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
         )
         assert done.stdout == "exiting\n", done.stderr
         assert done.returncode == 3, done.stderr[-2000:]
