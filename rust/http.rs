@@ -33,6 +33,54 @@ pub struct Http {
     pub retries: u32,
 }
 
+/// What identifies the content of a file on its server at one response: its
+/// size (the `Content-Range` total), its `ETag` and `Last-Modified`. The
+/// header read's version is what every later range must match: a new upload
+/// under the same URL (a moved revision) would otherwise give tensors at the
+/// old header's offsets of the new file's bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Version {
+    pub total: u64,
+    pub etag: Option<String>,
+    pub last_modified: Option<String>,
+}
+
+impl Version {
+    /// Why `now` is not this version's content, or None when nothing says so.
+    /// ETags decide where both responses have one; else `Last-Modified`; the
+    /// size always.
+    pub fn changed(&self, now: &Version) -> Option<String> {
+        let what = if self.total != now.total {
+            format!("its size was {} bytes, now {}", self.total, now.total)
+        } else if let (Some(a), Some(b)) = (&self.etag, &now.etag) {
+            if a == b {
+                return None;
+            }
+            format!("its ETag was {a}, now {b}")
+        } else if let (Some(a), Some(b)) = (&self.last_modified, &now.last_modified) {
+            if a == b {
+                return None;
+            }
+            format!("its Last-Modified was {a:?}, now {b:?}")
+        } else {
+            return None;
+        };
+        Some(changed_text(&what))
+    }
+
+    /// The `If-Match` value that makes the server refuse (412) a changed file:
+    /// only a strong ETag (weak ones never match under `If-Match`).
+    fn if_match(&self) -> Option<&str> {
+        self.etag.as_deref().filter(|e| !e.starts_with("W/"))
+    }
+}
+
+fn changed_text(what: &str) -> String {
+    format!(
+        "the file changed on the server since its header was read ({what}); no tensor is          read from a file whose offsets may have moved: load it again"
+    )
+}
+
 /// A counting semaphore: at most [`POOL_CONNECTIONS`] requests at once.
 struct Slots {
     free: Mutex<usize>,
@@ -134,20 +182,24 @@ impl Http {
     /// once fewer than [`POOL_CONNECTIONS`] requests to its server are in flight (all files of this process),
     /// retrying connection errors, a connection lost mid-body (the next
     /// attempt asks only for the bytes not yet received) and 5xx, with
-    /// exponential backoff. Returns the file's total size from
-    /// `Content-Range`. The caller names the read: a [`Failure`] carries only
-    /// what went wrong.
+    /// exponential backoff. Returns the file's [`Version`] (its total size
+    /// from `Content-Range`). With `expect` (the header read's version), a
+    /// response of another version fails the read (and `If-Match` asks the
+    /// server to refuse one). The caller names the read: a [`Failure`]
+    /// carries only what went wrong.
     ///
     /// With `upto`, a file shorter than `end` is no error: the server's
     /// shorter range (`bytes start-(size-1)/size`) is read (a header's first read).
+    #[allow(clippy::too_many_arguments)]
     pub fn read_range(
         &self,
         url: &str,
         start: u64,
         end: u64,
         upto: bool,
+        expect: Option<&Version>,
         sink: &mut dyn FnMut(&[u8]),
-    ) -> Result<u64, Failure> {
+    ) -> Result<Version, Failure> {
         if end <= start {
             return Err(Failure::invalid("an empty range cannot be requested"));
         }
@@ -162,7 +214,7 @@ impl Http {
         let (mut end, mut upto) = (end, upto);
         loop {
             let from = start + got;
-            match self.attempt(url, from, end, upto, deadline, &mut got, sink) {
+            match self.attempt(url, from, end, upto, expect, deadline, &mut got, sink) {
                 Ok(total) => return Ok(total),
                 Err(Attempt::Fatal(f)) => return Err(f),
                 Err(Attempt::Retry {
@@ -207,10 +259,11 @@ impl Http {
         start: u64,
         mut end: u64,
         upto: bool,
+        expect: Option<&Version>,
         deadline: Option<Instant>,
         got: &mut u64,
         sink: &mut dyn FnMut(&[u8]),
-    ) -> Result<u64, Attempt> {
+    ) -> Result<Version, Attempt> {
         let timed_out = || {
             Attempt::Fatal(Failure::deadline(format!(
                 "not finished within the {} s timeout",
@@ -229,14 +282,14 @@ impl Http {
             errno,
             total: None,
         };
-        let response = self
+        let mut request = self
             .agent
             .get(url)
-            .header("Range", format!("bytes={start}-{}", end - 1))
-            .config()
-            .timeout_global(left)
-            .build()
-            .call();
+            .header("Range", format!("bytes={start}-{}", end - 1));
+        if let Some(etag) = expect.and_then(Version::if_match) {
+            request = request.header("If-Match", etag);
+        }
+        let response = request.config().timeout_global(left).build().call();
         let mut response = match response {
             Ok(r) => r,
             Err(ureq::Error::Timeout(_)) => return Err(timed_out()),
@@ -264,6 +317,11 @@ impl Http {
                 ))))
             }
             500..=599 => return Err(retry(format!("HTTP {status} (server error)"), None)),
+            412 => {
+                return Err(Attempt::Fatal(Failure::io(changed_text(
+                    "HTTP 412: its ETag no longer matches",
+                ))))
+            }
             200 => {
                 return Err(Attempt::Fatal(Failure::io(
                     "HTTP 200: the server ignored the Range request (it must answer \
@@ -295,6 +353,14 @@ impl Http {
                     end - 1
                 )))
             })?;
+        let version = Version {
+            total,
+            etag: header("etag"),
+            last_modified: header("last-modified"),
+        };
+        if let Some(why) = expect.and_then(|e| e.changed(&version)) {
+            return Err(Attempt::Fatal(Failure::io(why)));
+        }
         end = end.min(total);
         if let Some(length) = header("content-length") {
             if length.trim().parse::<u64>().ok() != Some(end - start) {
@@ -349,7 +415,7 @@ impl Http {
         // Read to the end of the body (no bytes left): only then does ureq
         // give the connection back to its pool for the next request.
         let _ = reader.read(&mut chunk[..1]);
-        Ok(total)
+        Ok(version)
     }
 }
 
@@ -445,6 +511,8 @@ pub struct RemoteFile {
     pub http: Http,
     pub len: u64,
     pub tensors: Vec<TensorInfo>,
+    /// The file as its header was read: every tensor read must match it.
+    pub version: Version,
 }
 
 impl RemoteFile {
@@ -452,18 +520,21 @@ impl RemoteFile {
     /// second only for a longer header (never more than the file's size).
     pub fn open(url: &str, http: Http) -> Result<RemoteFile, Error> {
         let mut first = Vec::new();
-        let len = http
-            .read_range(url, 0, FIRST_READ, true, &mut |b| {
+        let version = http
+            .read_range(url, 0, FIRST_READ, true, None, &mut |b| {
                 first.extend_from_slice(b)
             })
             .map_err(|f| f.at(&format!("{url}: header (bytes [0, {FIRST_READ}))")))?;
+        let len = version.total;
         let n = header_len(url, &first, len).map_err(Error::Format)?;
         let json = if 8 + n <= first.len() as u64 {
             first[8..(8 + n) as usize].to_vec()
         } else {
             let mut rest = Vec::with_capacity(n as usize);
-            http.read_range(url, 8, 8 + n, false, &mut |b| rest.extend_from_slice(b))
-                .map_err(|f| f.at(&format!("{url}: header (bytes [8, {}))", 8 + n)))?;
+            http.read_range(url, 8, 8 + n, false, Some(&version), &mut |b| {
+                rest.extend_from_slice(b)
+            })
+            .map_err(|f| f.at(&format!("{url}: header (bytes [8, {}))", 8 + n)))?;
             rest
         };
         let tensors = parse_header(url, &json, len).map_err(Error::Format)?;
@@ -472,6 +543,7 @@ impl RemoteFile {
             http,
             len,
             tensors,
+            version,
         })
     }
 }
@@ -500,6 +572,34 @@ mod tests {
         );
         drop(taken);
         assert_eq!(*lock(&b.free), POOL_CONNECTIONS);
+    }
+
+    #[test]
+    fn a_version_changes_by_size_then_etag_then_last_modified() {
+        let v = |total, etag: Option<&str>, modified: Option<&str>| Version {
+            total,
+            etag: etag.map(str::to_owned),
+            last_modified: modified.map(str::to_owned),
+        };
+        let base = v(100, Some("\"a\""), Some("Mon"));
+        assert_eq!(base.changed(&base), None);
+        let size = base.changed(&v(164, Some("\"a\""), Some("Mon"))).unwrap();
+        assert!(size.contains("its size was 100 bytes, now 164"), "{size}");
+        let etag = base.changed(&v(100, Some("\"b\""), Some("Mon"))).unwrap();
+        assert!(etag.contains("its ETag was \"a\", now \"b\""), "{etag}");
+        // Equal ETags decide: another Last-Modified alone is no change.
+        assert_eq!(base.changed(&v(100, Some("\"a\""), Some("Tue"))), None);
+        let modified = v(100, None, Some("Mon")).changed(&v(100, None, Some("Tue")));
+        assert!(modified
+            .unwrap()
+            .contains("its Last-Modified was \"Mon\", now \"Tue\""));
+        // Nothing to compare but the size: no change seen.
+        assert_eq!(
+            v(100, None, None).changed(&v(100, Some("\"b\""), None)),
+            None
+        );
+        assert_eq!(base.if_match(), Some("\"a\""));
+        assert_eq!(v(1, Some("W/\"a\""), None).if_match(), None);
     }
 
     #[test]

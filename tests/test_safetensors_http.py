@@ -4,6 +4,7 @@ a wrong Content-Range or Content-Length, a Range request ignored), coalesced
 requests, multi-file indexes, and HTTPS with a certificate made in the test."""
 
 import errno
+import hashlib
 import json
 import re
 import shutil
@@ -38,7 +39,10 @@ class FaultServer:
     one byte at a time, waiting on an event the test never sets for up to
     ``slow`` seconds between bytes; ``ignore_range`` answers 200 with the whole
     file; ``gate`` an event each request waits for (``gated`` is set when one
-    does). ``requests`` lists every ``(path, start, end)`` asked for, and
+    does; the file is read after the wait, so a test can replace it meanwhile);
+    ``etag`` sends a strong ETag of the file's bytes with every answer, and
+    ``if_match`` answers 412 to an ``If-Match`` naming another ETag.
+    ``requests`` lists every ``(path, start, end)`` asked for, and
     ``client_ports`` the client ports they came from (one a connection).
     """
 
@@ -53,6 +57,8 @@ class FaultServer:
         self.slow: float | None = None
         self.ignore_range = False
         self.fault_header = False
+        self.etag = False
+        self.if_match = False
         self.gate: threading.Event | None = None
         self.gated = threading.Event()
         self.requests: list[tuple[str, int, int]] = []
@@ -108,6 +114,12 @@ class FaultServer:
         if faulty and self.gate is not None:
             self.gated.set()
             self.gate.wait(30)
+            data = path.read_bytes()
+            last = min(int(match.group(2)), len(data) - 1)
+        etag = f'"{hashlib.sha256(data).hexdigest()[:16]}"' if self.etag else None
+        wanted = h.headers.get("If-Match")
+        if self.if_match and wanted is not None and wanted != etag:
+            return self.send(h, 412, b"precondition failed")
         if first is not None:
             return self.send(h, first, b"oops")
         if faulty and self.status is not None:
@@ -115,6 +127,8 @@ class FaultServer:
         body = data[start : last + 1]
         shift = self.content_range_shift if faulty else 0
         h.send_response(206)
+        if etag is not None:
+            h.send_header("ETag", etag)
         h.send_header("Content-Range", f"bytes {start + shift}-{last + shift}/{len(data)}")
         delta = self.content_length_delta if faulty else 0
         h.send_header("Content-Length", str(len(body) + delta))
@@ -484,3 +498,52 @@ def test_https_with_a_self_signed_certificate(tmp_path, weights, monkeypatch):
         check(aa.materialize(aa.load_safetensors(url, timeout=30), timeout=60), weights)
     finally:
         srv.close()
+
+
+# -- a file that changes on its server during a load --------------------------------
+
+
+def replace_during_the_reads(server, tmp_path, weights, **save):
+    """Loads model.safetensors with every data request held at the server,
+    replaces the file meanwhile (same tensors, new values, ``save``'s
+    metadata), lets the requests go, and returns the leaves' exceptions."""
+    server.gate = threading.Event()
+    try:
+        tree = aa.load_safetensors(server.url("model.safetensors"), timeout=30)
+        assert server.gated.wait(WAIT)
+        changed = {k: (v + 1).astype(v.dtype) for k, v in weights.items()}
+        safetensors.numpy.save_file(changed, str(tmp_path / "model.safetensors"), **save)
+    finally:
+        server.gate.set()
+    return {k: leaf.exception(timeout=WAIT) for k, leaf in tree.items()}
+
+
+def test_a_file_replaced_by_a_longer_one_fails_every_leaf_read_after(server, tmp_path, weights):
+    # The new header is longer: the old offsets would read shifted bytes.
+    failures = replace_during_the_reads(server, tmp_path, weights, metadata={"padding": "x" * 64})
+    for k, exc in failures.items():
+        assert isinstance(exc, OSError), (k, exc)
+        assert re.search(
+            r"tensor .* the file changed on the server since its header was read "
+            r"\(its size was \d+ bytes, now \d+\)",
+            str(exc),
+        ), str(exc)
+
+
+def test_a_file_of_the_same_size_replaced_is_refused_by_its_etag(server, tmp_path, weights):
+    server.etag = server.if_match = True
+    failures = replace_during_the_reads(server, tmp_path, weights)
+    for exc in failures.values():
+        assert isinstance(exc, OSError) and "HTTP 412: its ETag no longer matches" in str(exc)
+
+
+def test_a_server_ignoring_if_match_is_caught_by_the_etag_it_sends(server, tmp_path, weights):
+    server.etag = True
+    failures = replace_during_the_reads(server, tmp_path, weights)
+    for exc in failures.values():
+        assert isinstance(exc, OSError) and re.search(r"its ETag was \S+, now \S+", str(exc))
+
+
+def test_an_unchanged_file_with_an_etag_loads(server, weights):
+    server.etag = server.if_match = True
+    check(aa.materialize(aa.load_safetensors(server.url("model.safetensors")), WAIT), weights)

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import stat
 import sys
 import threading
 import urllib.parse
@@ -83,15 +84,32 @@ def _source_text(source: Any) -> str:
             f"got {type(source).__name__}"
         )
     if "://" not in source:
-        return source
+        return _regular_or_missing(source)
     url = urllib.parse.urlsplit(source)
     if url.scheme == "file":
         if url.netloc not in ("", "localhost"):
             raise ValueError(f"{_NAME}: {source}: a file:// URL must name a local file")
-        return urllib.parse.unquote(url.path)
+        return _regular_or_missing(urllib.parse.unquote(url.path))
     if url.scheme in ("http", "https"):
         return source
     raise ValueError(f"{_NAME}: {source}: unsupported URL scheme {url.scheme!r}")
+
+
+def _regular_or_missing(path: str) -> str:
+    """``path``, refused at the call unless it is a regular file or missing
+    (the read says so then): opening a FIFO blocks until a writer comes, and
+    a device has no size to check reads against. Files named by an index are
+    checked by the core as they are opened."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return path
+    if stat.S_ISREG(mode):
+        return path
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, f"{_NAME}: is a directory, not a file", path)
+    what = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "not a regular file"
+    raise ValueError(f"{_NAME}: {path}: is {what}; a safetensors file must be a regular file")
 
 
 def _is_url(source: str) -> bool:
