@@ -160,17 +160,43 @@ fn root_certs() -> Result<ureq::tls::RootCerts, Error> {
     Ok(ureq::tls::RootCerts::new_with_certs(&certs))
 }
 
+/// The process's one agent, so that its idle connections (at most
+/// [`POOL_CONNECTIONS`] per server) serve every load: an agent per load kept
+/// its own, and concurrent loads held 632 open at a server at once. It is
+/// made again when `SSL_CERT_FILE` names another file, and in a child of
+/// `fork()`, whose inherited connections are its parent's: they are
+/// forgotten there, never used nor closed (a TLS close would reach the
+/// parent's peer).
+fn shared_agent() -> Result<ureq::Agent, Error> {
+    type Made = (Option<std::ffi::OsString>, u32, ureq::Agent);
+    static AGENT: Mutex<Option<Made>> = Mutex::new(None);
+    let certs = std::env::var_os("SSL_CERT_FILE");
+    let pid = std::process::id();
+    let mut held = lock(&AGENT);
+    if let Some((made_for, made_in, agent)) = held.as_ref() {
+        if *made_in != pid {
+            std::mem::forget(held.take());
+        } else if *made_for == certs {
+            return Ok(agent.clone());
+        }
+    }
+    let tls = ureq::tls::TlsConfig::builder()
+        .root_certs(root_certs()?)
+        .build();
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .max_idle_connections_per_host(POOL_CONNECTIONS)
+        .max_idle_connections(4 * POOL_CONNECTIONS)
+        .tls_config(tls)
+        .build()
+        .into();
+    *held = Some((certs, pid, agent.clone()));
+    Ok(agent)
+}
+
 impl Http {
     pub fn new(timeout: Option<Duration>, retries: u32) -> Result<Http, Error> {
-        let tls = ureq::tls::TlsConfig::builder()
-            .root_certs(root_certs()?)
-            .build();
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .max_idle_connections_per_host(POOL_CONNECTIONS)
-            .tls_config(tls)
-            .build()
-            .into();
+        let agent = shared_agent()?;
         Ok(Http {
             agent,
             timeout,

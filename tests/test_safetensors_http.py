@@ -271,6 +271,24 @@ def test_requests_one_after_another_share_one_connection(server, weights, pool_s
     assert len(server.client_ports) == 1
 
 
+def test_loads_one_after_another_share_the_process_connections(server, weights, pool_size):
+    # Each load kept its own idle connections: 20 loads opened at least 20.
+    pool_size(1)
+    for _ in range(20):
+        check(aa.materialize(aa.load_safetensors(server.url("model.safetensors")), WAIT), weights)
+    # One, unless the pool's idle connection aged out (15 s) between two loads.
+    assert len(server.client_ports) <= 2, len(server.client_ports)
+
+
+def test_concurrent_loads_keep_the_connections_to_a_server_bounded(server, weights):
+    loads = [aa.load_safetensors(server.url("model.safetensors")) for _ in range(12)]
+    for load in loads:
+        check(aa.materialize(load, WAIT), weights)
+    # At most 8 requests at once to a server, and the idle connections they
+    # leave are the process's to reuse: 12 loads open no more than 8.
+    assert len(server.client_ports) <= 8, len(server.client_ports)
+
+
 def test_5xx_is_retried_then_succeeds(server, weights):
     server.status_first = [503, 500]
     tree = aa.load_safetensors(server.url("model.safetensors"), timeout=30, retries=3)
