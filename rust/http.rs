@@ -247,6 +247,7 @@ impl Http {
                     detail,
                     errno,
                     total,
+                    after,
                 }) => {
                     if let Some(total) = total {
                         // The size is known now: a resumed request asks for the rest exactly.
@@ -261,14 +262,20 @@ impl Http {
                         };
                         return Err(Failure::os(detail, errno));
                     }
+                    // The server's Retry-After (429, 503) rules over the backoff.
+                    let pause = after.unwrap_or(backoff);
                     let now = Instant::now();
-                    if deadline.is_some_and(|d| now + backoff >= d) {
+                    if deadline.is_some_and(|d| now + pause >= d) {
+                        let asked = match after {
+                            Some(a) => format!(" (it asks for {} s first)", a.as_secs_f64()),
+                            None => String::new(),
+                        };
                         return Err(Failure::deadline(format!(
-                            "{detail}; no time left for a retry within the {} s timeout",
+                            "{detail}; no time left for a retry{asked} within the {} s timeout",
                             self.timeout.unwrap_or_default().as_secs_f64()
                         )));
                     }
-                    std::thread::sleep(backoff);
+                    std::thread::sleep(pause);
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                     attempt += 1;
                 }
@@ -307,6 +314,7 @@ impl Http {
             detail,
             errno,
             total: None,
+            after: None,
         };
         let mut request = self
             .agent
@@ -335,8 +343,37 @@ impl Http {
             Err(e) => return Err(Attempt::Fatal(Failure::io(e.to_string()))),
         };
         let status = response.status().as_u16();
+        let content_length = response
+            .headers()
+            .get("content-length")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        // A 200 to a range from byte 0 that covers the whole file is the
+        // file itself (RFC 9110 lets a server answer so).
+        let whole = status == 200
+            && start == 0
+            && content_length.is_some_and(|n| n > 0 && n <= end && (upto || n == end));
         match status {
             206 => {}
+            200 if whole => {}
+            429 | 503 => {
+                let after = response
+                    .headers()
+                    .get("retry-after")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| retry_after(v, std::time::SystemTime::now()));
+                let what = if status == 429 {
+                    "too many requests"
+                } else {
+                    "server error"
+                };
+                return Err(Attempt::Retry {
+                    detail: format!("HTTP {status} ({what})"),
+                    errno: None,
+                    total: None,
+                    after,
+                });
+            }
             404 | 410 => {
                 return Err(Attempt::Fatal(Failure::not_found(format!(
                     "HTTP {status} (not found)"
@@ -369,16 +406,19 @@ impl Http {
                 .map(str::to_owned)
         };
         let content_range = header("content-range");
-        let total = content_range
-            .as_deref()
-            .and_then(|v| parse_content_range(v, start, end, upto))
-            .ok_or_else(|| {
-                Attempt::Fatal(Failure::io(format!(
-                    "wrong Content-Range {:?} (expected \"bytes {start}-{}/<size>\")",
-                    content_range.as_deref().unwrap_or("(none)"),
-                    end - 1
-                )))
-            })?;
+        let total = match content_length {
+            Some(n) if whole => Some(n),
+            _ => content_range
+                .as_deref()
+                .and_then(|v| parse_content_range(v, start, end, upto)),
+        };
+        let total = total.ok_or_else(|| {
+            Attempt::Fatal(Failure::io(format!(
+                "wrong Content-Range {:?} (expected \"bytes {start}-{}/<size>\")",
+                content_range.as_deref().unwrap_or("(none)"),
+                end - 1
+            )))
+        })?;
         let version = Version {
             total,
             etag: header("etag"),
@@ -410,6 +450,7 @@ impl Http {
             detail: format!("truncated body: {got} of {wanted} bytes received{cause}"),
             errno,
             total: Some(total),
+            after: None,
         };
         while here < end - start {
             if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -452,6 +493,8 @@ enum Attempt {
         detail: String,
         errno: Option<i32>,
         total: Option<u64>,
+        /// How long the server asked to wait (`Retry-After`), if it did.
+        after: Option<Duration>,
     },
     Fatal(Failure),
 }
@@ -516,6 +559,17 @@ impl Failure {
             FailureKind::Invalid => Error::InvalidArgument(message),
         }
     }
+}
+
+/// The wait a `Retry-After` value asks for at `now`: delay-seconds, or an
+/// HTTP date (then the time until it; a date past is no wait).
+fn retry_after(value: &str, now: std::time::SystemTime) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let when = httpdate::parse_http_date(value).ok()?;
+    Some(when.duration_since(now).unwrap_or_default())
 }
 
 /// The total size from `Content-Range: bytes start-last/total`, if it matches
@@ -626,6 +680,31 @@ mod tests {
         );
         assert_eq!(base.if_match(), Some("\"a\""));
         assert_eq!(v(1, Some("W/\"a\""), None).if_match(), None);
+    }
+
+    #[test]
+    fn retry_after_is_seconds_or_an_http_date() {
+        let now = httpdate::parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT").unwrap();
+        assert_eq!(retry_after("7", now), Some(Duration::from_secs(7)));
+        assert_eq!(retry_after(" 0 ", now), Some(Duration::ZERO));
+        // A date ahead asks for the time until it (any of the three forms); one past for none.
+        for ahead in [
+            "Sun, 06 Nov 1994 08:50:37 GMT",
+            "Sunday, 06-Nov-94 08:50:37 GMT",
+            "Sun Nov  6 08:50:37 1994",
+        ] {
+            assert_eq!(
+                retry_after(ahead, now),
+                Some(Duration::from_secs(60)),
+                "{ahead}"
+            );
+        }
+        assert_eq!(
+            retry_after("Sun, 06 Nov 1994 08:00:00 GMT", now),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(retry_after("soon", now), None);
+        assert_eq!(retry_after("-1", now), None);
     }
 
     #[test]

@@ -41,7 +41,10 @@ class FaultServer:
     file; ``gate`` an event each request waits for (``gated`` is set when one
     does; the file is read after the wait, so a test can replace it meanwhile);
     ``etag`` sends a strong ETag of the file's bytes with every answer, and
-    ``if_match`` answers 412 to an ``If-Match`` naming another ETag.
+    ``if_match`` answers 412 to an ``If-Match`` naming another ETag;
+    ``retry_after`` a ``Retry-After`` value sent with the ``status_first``
+    and ``status`` answers; ``whole_as_200`` answers 200 with the file to a range that
+    covers all of it (as HTTP allows).
     ``requests`` lists every ``(path, start, end)`` asked for, and
     ``client_ports`` the client ports they came from (one a connection).
     """
@@ -59,6 +62,8 @@ class FaultServer:
         self.fault_header = False
         self.etag = False
         self.if_match = False
+        self.retry_after: str | None = None
+        self.whole_as_200 = False
         self.gate: threading.Event | None = None
         self.gated = threading.Event()
         self.requests: list[tuple[str, int, int]] = []
@@ -121,9 +126,13 @@ class FaultServer:
         if self.if_match and wanted is not None and wanted != etag:
             return self.send(h, 412, b"precondition failed")
         if first is not None:
-            return self.send(h, first, b"oops")
+            extra = {"Retry-After": self.retry_after} if self.retry_after is not None else {}
+            return self.send(h, first, b"oops", extra)
+        if self.whole_as_200 and start == 0 and last == len(data) - 1:
+            return self.send(h, 200, data)
         if faulty and self.status is not None:
-            return self.send(h, self.status, b"oops")
+            extra = {"Retry-After": self.retry_after} if self.retry_after is not None else {}
+            return self.send(h, self.status, b"oops", extra)
         body = data[start : last + 1]
         shift = self.content_range_shift if faulty else 0
         h.send_response(206)
@@ -155,8 +164,10 @@ class FaultServer:
         except OSError:  # the client gave up
             h.close_connection = True
 
-    def send(self, h, status, body):
+    def send(self, h, status, body, headers=None):
         h.send_response(status)
+        for name, value in (headers or {}).items():
+            h.send_header(name, value)
         h.send_header("Content-Length", str(len(body)))
         h.end_headers()
         h.wfile.write(body)
@@ -565,3 +576,37 @@ def test_a_server_ignoring_if_match_is_caught_by_the_etag_it_sends(server, tmp_p
 def test_an_unchanged_file_with_an_etag_loads(server, weights):
     server.etag = server.if_match = True
     check(aa.materialize(aa.load_safetensors(server.url("model.safetensors")), WAIT), weights)
+
+
+# -- rate limits and servers that answer a range with the whole file ------------------
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_a_rate_limit_is_retried_after_what_the_server_asks(server, weights, status):
+    server.status_first = [status, status]
+    server.retry_after = "0"
+    check(aa.materialize(aa.load_safetensors(server.url("model.safetensors")), WAIT), weights)
+    assert not server.status_first  # both answered, then retried
+
+
+def test_a_rate_limit_beyond_the_retries_names_it(server, weights):
+    server.status = 429
+    server.retry_after = "0"
+    tree = aa.load_safetensors(server.url("model.safetensors"), retries=2)
+    with pytest.raises(OSError, match=r"HTTP 429 \(too many requests\) \(after 3 attempts\)"):
+        aa.materialize(tree, WAIT)
+
+
+def test_a_retry_after_beyond_the_timeout_fails_at_once_saying_so(server, weights):
+    server.status_first = [429]
+    server.retry_after = "Fri, 31 Dec 9999 23:59:59 GMT"
+    tree = aa.load_safetensors(server.url("model.safetensors"), timeout=60)
+    with pytest.raises(TimeoutError, match=r"HTTP 429 .*no time left for a retry \(it asks for"):
+        aa.materialize(tree, WAIT)
+
+
+def test_a_200_with_the_whole_file_answers_a_range_that_covers_it(server, tmp_path):
+    small = {"w": np.arange(6, dtype=np.float32)}
+    safetensors.numpy.save_file(small, str(tmp_path / "small.safetensors"))
+    server.whole_as_200 = True  # the header read asks for 64 KiB: all of this file
+    check(aa.materialize(aa.load_safetensors(server.url("small.safetensors")), WAIT), small)

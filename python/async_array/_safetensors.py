@@ -663,8 +663,10 @@ def load_safetensors(
         no timeout.
       retries: how often (an int from 0 to 2**32 - 1) an HTTP request that
         failed to connect, lost its connection (before or during the body:
-        the retry asks only for the bytes not yet received), or got a 5xx is
-        retried, after 0.1 s, then twice as long each time (at most 5 s).
+        the retry asks only for the bytes not yet received), or got a 5xx or
+        429 is retried, after 0.1 s, then twice as long each time (at most
+        5 s), or after the ``Retry-After`` of a 429 or 503 (seconds or an HTTP
+        date; one beyond ``timeout`` fails at once).
       progress: False; True for one ``tqdm`` progress bar on stderr (bytes,
         MB/s, ETA; nothing when ``tqdm`` is not installed); or a callable,
         called on a pool thread as ``progress(bytes_done, bytes_total)``: once
