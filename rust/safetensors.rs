@@ -39,10 +39,30 @@ pub enum Dtype {
     F64,
     F8E4m3,
     F8E5m2,
+    F8E8m0,
+    F8E4m3Fnuz,
+    F8E5m2Fnuz,
+    C64,
 }
 
+/// Safetensors dtypes with no JAX dtype of the same layout: refused, saying why.
+const LACKING: [(&str, &str); 3] = [
+    (
+        "F4",
+        "4-bit floats packed two to a byte; JAX's float4_e2m1fn takes a byte each",
+    ),
+    (
+        "F6_E2M3",
+        "6-bit floats packed four to three bytes; JAX has no 6-bit float",
+    ),
+    (
+        "F6_E3M2",
+        "6-bit floats packed four to three bytes; JAX has no 6-bit float",
+    ),
+];
+
 impl Dtype {
-    pub const ALL: [Dtype; 15] = [
+    pub const ALL: [Dtype; 19] = [
         Dtype::Bool,
         Dtype::U8,
         Dtype::I8,
@@ -58,6 +78,10 @@ impl Dtype {
         Dtype::F64,
         Dtype::F8E4m3,
         Dtype::F8E5m2,
+        Dtype::F8E8m0,
+        Dtype::F8E4m3Fnuz,
+        Dtype::F8E5m2Fnuz,
+        Dtype::C64,
     ];
 
     /// The name in a safetensors header.
@@ -78,6 +102,10 @@ impl Dtype {
             Dtype::F64 => "F64",
             Dtype::F8E4m3 => "F8_E4M3",
             Dtype::F8E5m2 => "F8_E5M2",
+            Dtype::F8E8m0 => "F8_E8M0",
+            Dtype::F8E4m3Fnuz => "F8_E4M3FNUZ",
+            Dtype::F8E5m2Fnuz => "F8_E5M2FNUZ",
+            Dtype::C64 => "C64",
         }
     }
 
@@ -100,15 +128,26 @@ impl Dtype {
             Dtype::F64 => "float64",
             Dtype::F8E4m3 => "float8_e4m3fn",
             Dtype::F8E5m2 => "float8_e5m2",
+            Dtype::F8E8m0 => "float8_e8m0fnu",
+            Dtype::F8E4m3Fnuz => "float8_e4m3fnuz",
+            Dtype::F8E5m2Fnuz => "float8_e5m2fnuz",
+            Dtype::C64 => "complex64",
         }
     }
 
     pub fn itemsize(self) -> u64 {
         match self {
-            Dtype::Bool | Dtype::U8 | Dtype::I8 | Dtype::F8E4m3 | Dtype::F8E5m2 => 1,
+            Dtype::Bool
+            | Dtype::U8
+            | Dtype::I8
+            | Dtype::F8E4m3
+            | Dtype::F8E5m2
+            | Dtype::F8E8m0
+            | Dtype::F8E4m3Fnuz
+            | Dtype::F8E5m2Fnuz => 1,
             Dtype::U16 | Dtype::I16 | Dtype::F16 | Dtype::Bf16 => 2,
             Dtype::U32 | Dtype::I32 | Dtype::F32 => 4,
-            Dtype::U64 | Dtype::I64 | Dtype::F64 => 8,
+            Dtype::U64 | Dtype::I64 | Dtype::F64 | Dtype::C64 => 8,
         }
     }
 
@@ -256,10 +295,11 @@ pub fn parse_header(file: &str, json: &[u8], file_len: u64) -> Result<Vec<Tensor
             None => return Err(format!("{here}: the header entry has no dtype")),
             Some(Value::String(s)) => Dtype::from_name(s).ok_or_else(|| {
                 let known: Vec<_> = Dtype::ALL.iter().map(|d| d.name()).collect();
-                format!(
-                    "{here}: unknown or unsupported dtype {s:?} (JAX has {})",
-                    known.join(", ")
-                )
+                let why = match LACKING.iter().find(|(name, _)| name == s) {
+                    Some((_, why)) => format!("dtype {s:?} cannot be loaded: {why}"),
+                    None => format!("unknown dtype {s:?}"),
+                };
+                format!("{here}: {why} (the dtypes loaded: {})", known.join(", "))
             })?,
             Some(other) => {
                 return Err(format!(
@@ -549,7 +589,12 @@ mod tests {
             (
                 r#"{"a":{"dtype":"Q9","shape":[1],"data_offsets":[0,4]}}"#,
                 4,
-                "unknown",
+                "unknown dtype \"Q9\" (the dtypes loaded: BOOL, U8, ",
+            ),
+            (
+                r#"{"a":{"dtype":"F4","shape":[2],"data_offsets":[0,1]}}"#,
+                1,
+                "dtype \"F4\" cannot be loaded: 4-bit floats packed two to a byte",
             ),
             (
                 r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,8]}}"#,

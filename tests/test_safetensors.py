@@ -38,6 +38,10 @@ ST_DTYPES = {
     "F64": np.dtype(np.float64),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    "C64": np.dtype(np.complex64),
 }
 
 
@@ -233,7 +237,8 @@ MALFORMED = [
     (b"{nope", b"", None, r"header \(bytes \[8, 13\)\) is not valid JSON"),
     ({"t": entry(dtype=None)}, D8, None, 'tensor "t": dtype must be a string'),
     ({"t": {"shape": [2], "data_offsets": [0, 8]}}, D8, None, 'tensor "t": .* has no dtype'),
-    ({"t": entry("C64")}, D8, None, 'tensor "t": unknown or unsupported dtype "C64"'),
+    ({"t": entry("F4", offsets=(0, 1))}, b"\0", None,
+     'tensor "t": dtype "F4" cannot be loaded: 4-bit floats packed'),
     ({"t": entry(shape=(4,), offsets=(0, 16))}, D8, None,
      rf'tensor "t": data_offsets \[0, 16\) {FILE_BYTES} out of bounds'),
     ({"t": entry(shape=(3,))}, D8, None,

@@ -32,7 +32,7 @@ from ._tree import paused_gc
 
 _LOG = logging.getLogger("async_array")
 _NAME = "load_safetensors"
-_FLOAT8 = {"float8_e4m3fn", "float8_e5m2"}
+_FLOAT8 = {"float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz"}
 # Over HTTP, neighbouring tensors of at most _SMALL bytes each share one range
 # request while the request stays under _GROUP bytes and the bytes skipped
 # between two of them under _GAP: a request costs a round trip.
@@ -680,7 +680,9 @@ def load_safetensors(
       one is given. Shapes are the header's (global shapes); dtypes are the
       header's (``BOOL`` bool, ``U8``-``U64``/``I8``-``I64`` uint8-uint64 and
       int8-int64, ``F16`` float16, ``BF16`` bfloat16, ``F32`` float32, ``F64``
-      float64, ``F8_E4M3`` float8_e4m3fn, ``F8_E5M2`` float8_e5m2), except
+      float64, ``C64`` complex64, ``F8_E4M3`` float8_e4m3fn, ``F8_E5M2``
+      float8_e5m2, ``F8_E8M0`` float8_e8m0fnu, ``F8_E4M3FNUZ`` and
+      ``F8_E5M2FNUZ`` float8_e4m3fnuz and float8_e5m2fnuz), except
       that with ``jax_enable_x64`` off 64-bit tensors come as their 32-bit
       types (values checked: one that does not fit fails its leaf with
       ``OverflowError``).
