@@ -546,7 +546,7 @@ mod tests {
         bytes.extend_from_slice(json.as_bytes());
         bytes.extend_from_slice(&data);
         std::fs::write(&path, &bytes).unwrap();
-        let file = LocalFile::open(path.to_str().unwrap()).unwrap();
+        let file = LocalFile::open(&path).unwrap();
         let mut plan = Plan::default();
         for c in 0..3 {
             plan.add(&file.tensors, 0, Some(&[(1, 4), (c * 4, c * 4 + 4)]))

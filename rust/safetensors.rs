@@ -467,13 +467,16 @@ impl LocalFile {
     /// Anything but a regular file is refused: opening a FIFO for reading
     /// would block until a writer came (so it is opened non-blocking, then
     /// checked), and a device or socket has no stable size to check reads by.
-    pub fn open(path: &str) -> Result<LocalFile, Error> {
+    pub fn open(path: &std::path::Path) -> Result<LocalFile, Error> {
         use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-        let file = std::fs::OpenOptions::new()
+        let opened = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_NONBLOCK)
-            .open(path)
-            .map_err(|e| Error::from_io(path, &e))?;
+            .open(path);
+        // Messages show a path that is not UTF-8 with its bytes replaced.
+        let shown = path.to_string_lossy();
+        let path: &str = &shown;
+        let file = opened.map_err(|e| Error::from_io(path, &e))?;
         let meta = file.metadata().map_err(|e| Error::from_io(path, &e))?;
         let kind = meta.file_type();
         if kind.is_dir() {

@@ -5,6 +5,7 @@ progress."""
 import errno
 import json
 import os
+import pathlib
 import re
 import struct
 import threading
@@ -497,3 +498,25 @@ def test_a_fifo_named_by_an_index_fails_its_leaves_without_blocking(tmp_path):
     )
     with pytest.raises(ValueError, match=r"part.safetensors: is a FIFO \(named pipe\)"):
         aa.materialize(aa.load_safetensors(tmp_path / "model.safetensors.index.json"), WAIT)
+
+
+# -- what a source may be ------------------------------------------------------------
+
+
+def test_any_path_python_takes_loads_utf8_or_not(tmp_path):
+    folder = os.fsencode(tmp_path)
+    path = os.path.join(folder, b"caf\xe9.safetensors")  # Latin-1: not UTF-8
+    w = np.arange(3, dtype=np.float32)
+    safetensors.numpy.save_file({"w": w}, os.fsdecode(path))
+    for source in (path, os.fsdecode(path), pathlib.Path(os.fsdecode(path))):
+        got = aa.materialize(aa.load_safetensors(source), WAIT)
+        np.testing.assert_array_equal(got["w"], w)
+
+
+def test_a_files_contents_passed_as_its_source_is_a_short_type_error(tmp_path):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.zeros(100_000, np.float32)}, str(path))
+    with pytest.raises(TypeError) as info:
+        aa.load_safetensors(path.read_bytes())
+    assert len(str(info.value)) < 200
+    assert "got bytes of length 400" in str(info.value) and "a file's contents?" in str(info.value)

@@ -61,6 +61,7 @@ def _local_readers() -> int:
 
 
 _MAX_INDEX = 64 << 20
+_MAX_PATH = 4096  # Linux's PATH_MAX, in bytes
 _SingleDevice = jax.sharding.SingleDeviceSharding
 
 
@@ -77,7 +78,13 @@ def _source_text(source: Any) -> str:
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     if isinstance(source, bytes):
-        source = os.fsdecode(source)
+        if b"\0" in source or len(source) > _MAX_PATH:
+            # A file's contents passed for its path: say so, not 87 MB of it.
+            raise TypeError(
+                f"{_NAME}: source must be a path or a file:// or http(s):// URL, got "
+                f"bytes of length {len(source)} that no path has (a file's contents?)"
+            )
+        source = os.fsdecode(source)  # a path as the OS has it, UTF-8 or not
     if not isinstance(source, str):
         raise TypeError(
             f"{_NAME}: source must be a path or a file:// or http(s):// URL, "
