@@ -630,7 +630,7 @@ def test_stress_8_threads_20k_futures():
 
 
 def test_configure_sets_the_pool_size(pool_size, monkeypatch):
-    monkeypatch.delenv(aa._pool.ENV_MAX_WORKERS, raising=False)
+    monkeypatch.delenv(aa._runtime.ENV_MAX_WORKERS, raising=False)
     pool_size(3)
     assert aa.max_workers() == 3
     assert _core.pool_stats()["max_workers"] == 3

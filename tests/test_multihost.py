@@ -10,7 +10,7 @@ reference computed from the same file with numpy.
 import numpy as np
 import pytest
 import safetensors.numpy
-from multihost import run_job, write_data
+from helpers.multihost import run_job, write_data
 
 # Telling other processes of a failure needs jax.distributed's key-value
 # store, found through a private name (async_array/_jax_hooks.py).

@@ -31,7 +31,7 @@ import numpy as np
 from . import _core, _jax_hooks, _multiprocess
 from ._array import AsyncArray, source_of
 from ._errors import frames_freed, free_frames, noted
-from ._pool import exit_hooks, jax_work
+from ._runtime import exit_hooks, jax_work
 from ._source import Source, pending
 from ._spec import qualname
 

@@ -14,11 +14,11 @@ from . import _core, _multiprocess
 from ._array import AsyncArray
 from ._convert import convert_one
 from ._errors import frames_freed, free_frames, shallow_copy
-from ._pool import jax_work
+from ._runtime import jax_work
 from ._shards import submit_per_shard
 from ._source import Call, Source
 from ._spec import LeafSpecs, declare_tree, qualname
-from ._tree import paused_gc
+from ._waits import paused_gc
 
 _LOG = logging.getLogger("async_array")
 _keystr = jax.tree_util.keystr

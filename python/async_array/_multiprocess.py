@@ -26,7 +26,7 @@ from typing import Any
 import jax
 
 from . import _core, _jax_hooks, _spec
-from ._pool import exit_hooks
+from ._runtime import exit_hooks
 
 _LOG = logging.getLogger("async_array")
 PREFIX = "async_array/"

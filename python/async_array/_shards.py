@@ -22,7 +22,7 @@ from ._buffer import aligned_array
 from ._convert import _check_cast, _copy_checked, _host_array, invalid
 from ._core import HostBuffer
 from ._errors import frames_freed, free_frames
-from ._pool import jax_work
+from ._runtime import jax_work
 from ._source import Source
 from ._spec import LeafSpecs, Sharding
 
@@ -311,7 +311,7 @@ def make_array_from_callback(
       [0. 1. 2. 3. 4. 5. 6. 7.]
     """
     from ._spec import declare, qualname
-    from ._tree import paused_gc
+    from ._waits import paused_gc
 
     if not callable(data_callback):
         raise TypeError(

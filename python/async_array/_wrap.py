@@ -9,10 +9,10 @@ from . import _core, _multiprocess
 from ._array import AsyncArray
 from ._convert import convert_results
 from ._errors import frames_freed
-from ._pool import jax_work
+from ._runtime import jax_work
 from ._source import Source
 from ._spec import LeafSpecs, declare, qualname
-from ._tree import paused_gc
+from ._waits import paused_gc
 
 
 def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
