@@ -19,15 +19,15 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from . import _core, _jax_hooks
-from ._convert import convert_one
-from ._errors import shallow_copy
-from ._map import _one_source_a_leaf
-from ._runtime import jax_work
-from ._shards import Layout, index_text, layout, shard_host
-from ._source import Call
-from ._spec import LeafSpecs, declare_tree
-from ._waits import paused_gc
+from .. import _core, _jax_hooks
+from .._convert import convert_one
+from .._errors import shallow_copy
+from .._map import _one_source_a_leaf
+from .._runtime import jax_work
+from .._shards import Layout, index_text, layout, shard_host
+from .._source import Call
+from .._spec import LeafSpecs, declare_tree
+from .._waits import paused_gc
 
 _LOG = logging.getLogger("async_array")
 _NAME = "load_safetensors"
