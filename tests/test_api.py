@@ -15,6 +15,8 @@ API = {
     "AsyncArray": ("class", "(source, index, aval, sharding, committed=None)"),
     "DoneAndNotDone": ("class", "(done, not_done)"),
     "HostBuffer": ("class", "(shape, dtype)"),
+    "RemoteFailure": ("exception, a RuntimeError", None),
+    "WaitCycleError": ("exception, a RuntimeError", None),
     "__version__": ("str", None),
     "as_completed": ("function", "(tree, timeout=None)"),
     "async_map": ("function", "(fn, like, *, sharding=None, per_shard=False)"),
@@ -38,6 +40,8 @@ API = {
 
 
 def kind(obj: object) -> str:
+    if isinstance(obj, type) and issubclass(obj, BaseException):
+        return f"exception, a {obj.__mro__[1].__name__}"
     if isinstance(obj, type):
         return "class"
     if inspect.isfunction(obj):
@@ -47,7 +51,7 @@ def kind(obj: object) -> str:
 
 def parameters(obj: object) -> str | None:
     """``obj``'s signature with its annotations removed, or None if it has none."""
-    if not callable(obj):
+    if not callable(obj) or (isinstance(obj, type) and issubclass(obj, BaseException)):
         return None
     sig = inspect.signature(obj)
     bare = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]

@@ -262,6 +262,10 @@ class _FakeSource:
         self.future = future
         self.global_ids = [number]
 
+    def swap_future(self, future):  # as Source.swap_future
+        replaced, self.future = self.future, future
+        return replaced
+
 
 def test_a_spanning_call_is_confirmed_once_after_its_last_leaf(monkeypatch):
     # Leaves already done when the call sets up its group run their callback

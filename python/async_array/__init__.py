@@ -10,6 +10,7 @@ from . import _core, _jax_hooks, _waits
 from ._array import AsyncArray
 from ._buffer import empty
 from ._core import HostBuffer
+from ._errors import RemoteFailure, WaitCycleError
 from ._jax_hooks import active as jax_hooks_active
 from ._jit import jit
 from ._map import async_map, async_stream
@@ -42,6 +43,8 @@ __all__ = [
     "AsyncArray",
     "DoneAndNotDone",
     "HostBuffer",
+    "RemoteFailure",
+    "WaitCycleError",
     "__version__",
     "as_completed",
     "async_map",

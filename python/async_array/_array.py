@@ -203,7 +203,7 @@ class AsyncArray(jax.Array):
           TypeError: ``timeout`` is not a number nor None.
           TimeoutError: not ready within ``timeout`` seconds.
           concurrent.futures.CancelledError: the task was cancelled.
-          RuntimeError: (``async_array._core.WaitCycleError``) called inside a
+          async_array.WaitCycleError: (a RuntimeError) called inside a
             pool task (an ``async_wrap`` function, say) whose own work this
             leaf waits for, directly or through other tasks: the wait would
             never end. Raised when the wait starts (not for ``timeout=0``),
@@ -233,7 +233,7 @@ class AsyncArray(jax.Array):
           TypeError: ``timeout`` is not a number nor None.
           TimeoutError: not done within ``timeout`` seconds.
           concurrent.futures.CancelledError: the task was cancelled.
-          RuntimeError: (``WaitCycleError``) the wait would never end, as in
+          async_array.WaitCycleError: (a RuntimeError) the wait would never end, as in
             :meth:`result`.
         """
         source = self._source

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ._core import HostBuffer
+from ._errors import reworded
 from ._spec import shape_tuple
 
 
@@ -64,7 +65,7 @@ def empty(shape: int | tuple[int, ...], dtype: Any) -> HostBuffer:
     try:
         return HostBuffer(dims, dt)
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"aa.empty: {exc}") from None
+        raise reworded(exc, "aa.empty: ") from None
 
 
 def aligned_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -18,7 +18,7 @@ from . import _core, _jax_hooks
 from ._array import AsyncArray
 from ._buffer import aligned_array
 from ._core import HostBuffer
-from ._errors import free_frames
+from ._errors import free_frames, invalid, is_invalid, reworded
 from ._spec import LeafSpecs, Sharding
 
 # Results numpy must build a new array from: that array is ours alone.
@@ -86,14 +86,6 @@ def describe(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return f"numpy array of dtype {value.dtype}"
     return kind
-
-
-def invalid(kind: type[Exception], message: str) -> Exception:
-    """An error in a result that the leaf's message prefix is added to (see
-    :func:`convert_one`); any other exception is the producer's own."""
-    exc = kind(message)
-    exc._async_array_invalid = True  # type: ignore[attr-defined]
-    return exc
 
 
 # Results that are never arrays, however numpy would wrap them.
@@ -289,8 +281,8 @@ def convert_one(specs: LeafSpecs, i: int, value: Any) -> Any:
     try:
         return place(value, aval, specs.shardings[i], specs.committed[i], "")
     except Exception as exc:
-        if getattr(exc, "_async_array_invalid", False):
-            return type(exc)(f"{specs.where(i)}{exc}")
+        if is_invalid(exc):
+            return reworded(exc, specs.where(i))
         # The producer's own (from its __array__, say): itself, with its frames.
         exc.add_note(f"async_array: while converting {specs.where(i)}")
         return free_frames(exc)

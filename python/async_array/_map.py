@@ -14,11 +14,10 @@ from . import _core, _multiprocess
 from ._array import AsyncArray
 from ._convert import convert_one
 from ._errors import frames_freed, free_frames, shallow_copy
-from ._runtime import jax_work
+from ._runtime import jax_work, paused_gc
 from ._shards import submit_per_shard
 from ._source import Call, Source
 from ._spec import LeafSpecs, declare_tree, qualname
-from ._waits import paused_gc
 
 _LOG = logging.getLogger("async_array")
 _keystr = jax.tree_util.keystr
@@ -92,7 +91,7 @@ def _check_takes(fn: Callable[..., Any], per_shard: bool) -> None:
         ) from None
 
 
-# How cycle messages name each task (see _core.WaitCycleError).
+# How cycle messages name each task (see async_array.WaitCycleError).
 _run_leaf.task_label = lambda fn, path, spec, specs, i: specs.where(i)  # type: ignore[attr-defined]
 
 

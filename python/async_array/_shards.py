@@ -19,9 +19,9 @@ import numpy as np
 from . import _core, _jax_hooks, _multiprocess
 from ._array import AsyncArray
 from ._buffer import aligned_array
-from ._convert import _check_cast, _copy_checked, _host_array, invalid
+from ._convert import _check_cast, _copy_checked, _host_array
 from ._core import HostBuffer
-from ._errors import frames_freed, free_frames
+from ._errors import frames_freed, free_frames, invalid, is_invalid, reworded
 from ._runtime import jax_work
 from ._source import Source
 from ._spec import LeafSpecs, Sharding
@@ -153,11 +153,9 @@ class _LeafShards:
 
 
 def _fail(state: _LeafShards, k: int, exc: BaseException) -> None:
-    if getattr(exc, "_async_array_invalid", False):
-        # Raised by validation, worded "<where>: ...": name the shard instead.
-        text = str(exc)
-        text = text[text.index(": ") + 2 :] if text.startswith(": ") else text
-        exc = type(exc)(f"{_shard_where(state, k)}: {text}")
+    if is_invalid(exc):
+        # Raised by validation, worded ": ...": name the shard in front.
+        exc = reworded(exc, f"{_shard_where(state, k)}: ", str(exc).removeprefix(": "))
     else:
         exc.add_note(f"async_array: raised for {_shard_where(state, k)}")
         free_frames(exc)
@@ -310,8 +308,8 @@ def make_array_from_callback(
       >>> print(x)
       [0. 1. 2. 3. 4. 5. 6. 7.]
     """
+    from ._runtime import paused_gc
     from ._spec import declare, qualname
-    from ._waits import paused_gc
 
     if not callable(data_callback):
         raise TypeError(

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from . import _jax_hooks
+from ._errors import reworded
 
 Sharding = jax.sharding.Sharding
 
@@ -263,7 +264,7 @@ def _check_sharding(sharding: Sharding, aval: Any, where: str) -> None:
     except (ValueError, TypeError) as exc:
         # Newer JAX ends with the source line of the call: ours, so dropped.
         text = str(exc).split(" This error occurs at source:")[0]
-        raise type(exc)(f"{where}: {text}") from None
+        raise reworded(exc, f"{where}: ", text) from None
     except Exception as exc:
         cheap = exc
     raise ValueError(f"{where}: sharding {sharding} does not fit shape {aval.shape}") from cheap
@@ -371,7 +372,7 @@ def declare_tree(specs: LeafSpecs, leaves: list[Any], sharding: Any) -> LeafSpec
                 f"(e.g. jax.ShapeDtypeStruct), got {type(leaf).__name__}"
             ) from None
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{specs.where(i)}{exc}") from None
+            raise reworded(exc, specs.where(i)) from None
         avals.append(aval)
         s = shardings[i]
         if s is None:

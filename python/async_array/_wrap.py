@@ -9,10 +9,9 @@ from . import _core, _multiprocess
 from ._array import AsyncArray
 from ._convert import convert_results
 from ._errors import frames_freed
-from ._runtime import jax_work
+from ._runtime import jax_work, paused_gc
 from ._source import Source
 from ._spec import LeafSpecs, declare, qualname
-from ._waits import paused_gc
 
 
 def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
@@ -22,7 +21,7 @@ def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
         return convert_results(specs, holder)
 
 
-# How a cycle message names the task (see _core.WaitCycleError).
+# How a cycle message names the task (see async_array.WaitCycleError).
 _run.task_label = lambda f, specs: specs.name  # type: ignore[attr-defined]
 
 

@@ -21,13 +21,12 @@ import numpy as np
 
 from .. import _core, _jax_hooks
 from .._convert import convert_one
-from .._errors import shallow_copy
+from .._errors import reworded, shallow_copy
 from .._map import _one_source_a_leaf
-from .._runtime import jax_work
+from .._runtime import jax_work, paused_gc
 from .._shards import Layout, index_text, layout, shard_host
 from .._source import Call
 from .._spec import LeafSpecs, declare_tree
-from .._waits import paused_gc
 
 _LOG = logging.getLogger("async_array")
 _NAME = "load_safetensors"
@@ -516,14 +515,10 @@ def _open_header(source: str, timeout: float | None, retries: int) -> _Header:
             # As open() raises it: errno and filename set, for code that reads them.
             raise FileNotFoundError(errno.ENOENT, f"{_NAME}: no such file", source) from None
         raise FileNotFoundError(f"{_NAME}: {exc}") from None
-    except OSError as exc:  # TimeoutError is an OSError
-        # The core's message names the file and bytes; this names the call.
-        if exc.errno is None:
-            raise type(exc)(f"{_NAME}: {exc}") from None
-        # The OS's number stays the exception's errno (ConnectionRefusedError...).
-        raise type(exc)(exc.errno, f"{_NAME}: {exc.strerror}") from None
-    except ValueError as exc:
-        raise type(exc)(f"{_NAME}: {exc}") from None
+    except (OSError, ValueError) as exc:  # TimeoutError is an OSError
+        # The core's message names the file and bytes; this names the call
+        # (an OS error number stays the exception's: ConnectionRefusedError...).
+        raise reworded(exc, f"{_NAME}: ") from None
 
 
 def _is_index(source: str) -> bool:
