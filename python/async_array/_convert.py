@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _core, _jax_hooks
+from . import _core, _handoff
 from ._array import AsyncArray
 from ._buffer import aligned_array
 from ._core import HostBuffer
@@ -159,7 +159,7 @@ def place(value: Any, aval: Any, sharding: Sharding, committed: bool, where: str
     elif type(value) is HostBuffer:
         if value.shape == shape and value.dtype == dtype and _on_one_cpu(sharding):
             value.mark_exported()
-            return _jax_hooks.put_dlpack(value, aval, sharding, committed)
+            return _handoff.put_dlpack(value, aval, sharding, committed)
         host, ours = np.asarray(value), False
     else:
         host, ours = _host_array(value, where), type(value) in _BUILT
@@ -171,12 +171,12 @@ def place(value: Any, aval: Any, sharding: Sharding, committed: bool, where: str
             and _on_one_cpu(sharding)
             and host.__array_interface__["data"][0] % _core.ALIGNMENT == 0
         )
-        return _jax_hooks.put_host(host, aval, sharding, committed, alias)
+        return _handoff.put_host(host, aval, sharding, committed, alias)
     # Cast, byte-swap or gather strides in one pass into memory that is ours.
     _check_cast(host.dtype, dtype, where)
     staged = aligned_array(shape, dtype)
     _copy_checked(host, staged, where)
-    return _jax_hooks.put_host(staged, aval, sharding, committed, alias=True)
+    return _handoff.put_host(staged, aval, sharding, committed, alias=True)
 
 
 def _place_jax_array(
@@ -194,7 +194,7 @@ def _place_jax_array(
         value = value.copy()  # its maker may delete or donate its own
     if len(sharding.device_set) > 1:
         return value
-    return _jax_hooks.put_array(value, aval, sharding, committed)
+    return _handoff.put_array(value, aval, sharding, committed)
 
 
 def _mismatch(like: Any, out: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] | None:
@@ -247,14 +247,14 @@ def structure_error(specs: LeafSpecs, out: Any, cause: Exception) -> ValueError:
 
 
 # Per sharding (by id; the sharding is kept so its id is never reused): the
-# hand-off of :func:`_jax_hooks.copier`, or None.
+# hand-off of :func:`_handoff.copier`, or None.
 _copiers: dict[int, tuple[Sharding, Any]] = {}
 
 
 def _copier(sharding: Sharding) -> Any:
     found = _copiers.get(id(sharding))
     if found is None:
-        found = (sharding, _jax_hooks.copier(sharding))
+        found = (sharding, _handoff.copier(sharding))
         if len(_copiers) < 4096:
             _copiers[id(sharding)] = found
     return found[1]

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _core, _jax_hooks, _multiprocess
+from . import _core, _handoff, _multiprocess
 from ._array import AsyncArray
 from ._buffer import aligned_array
 from ._convert import _check_cast, _copy_checked, _host_array
@@ -26,7 +26,7 @@ from ._runtime import jax_work
 from ._source import Source
 from ._spec import LeafSpecs, Sharding
 
-_index_key = _jax_hooks.index_key
+_index_key = _handoff.index_key
 
 
 class Layout(NamedTuple):
@@ -147,7 +147,7 @@ class _LeafShards:
         specs, i, lay = self.specs, self.leaf, self.layout
         shards = [self.shards[k] for k in lay.slots]
         self.shards = []
-        return _jax_hooks.put_shards(
+        return _handoff.put_shards(
             shards, lay.devices, specs.avals[i], specs.shardings[i], specs.committed[i], True
         )
 

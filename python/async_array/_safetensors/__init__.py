@@ -19,7 +19,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from .. import _core, _jax_hooks
+from .. import _core, _handoff
 from .._convert import convert_one
 from .._errors import reworded, shallow_copy
 from .._map import _one_source_a_leaf
@@ -262,7 +262,7 @@ class _Load:
         specs = self.specs
         try:
             with jax_work:
-                array = _jax_hooks.put_shards(
+                array = _handoff.put_shards(
                     [], [], specs.avals[i], specs.shardings[i], specs.committed[i], True
                 )
         except Exception as exc:
@@ -444,7 +444,7 @@ def _to_jax(specs: LeafSpecs, r: _Read, buffers: list[Any]) -> Any:
             shard_host(b, shape, dtype, f"{specs.where(i)} shard {index_text(index)}")
             for b, shape, index in zip(buffers, lay.shapes, lay.indices, strict=True)
         ]
-        return _jax_hooks.put_shards(
+        return _handoff.put_shards(
             [hosts[k] for k in lay.slots],
             lay.devices,
             specs.avals[i],
