@@ -25,9 +25,9 @@ from ._spec import LeafSpecs, Sharding
 _BUILT = (list, tuple, bool, int, float, complex)
 
 
-def _check_cast(src: np.dtype, dst: np.dtype, where: str) -> None:
+def check_cast(src: np.dtype, dst: np.dtype, where: str) -> None:
     if src == dst or (src.kind in "biu" and dst.kind in "iu"):
-        return  # integers: any width or sign, range-checked by _copy_checked
+        return  # integers: any width or sign, range-checked by copy_checked
     if not np.can_cast(src, dst, casting="same_kind"):
         raise invalid(
             TypeError,
@@ -37,7 +37,7 @@ def _check_cast(src: np.dtype, dst: np.dtype, where: str) -> None:
         )
 
 
-def _copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
+def copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
     """Copies ``value`` into ``dst`` (casting, byte-swapping, de-striding in one
     pass); raises OverflowError rather than wrap an integer or turn a finite
     float into inf."""
@@ -101,7 +101,7 @@ def _cpu_dlpack(value: Any) -> bool:
     return device()[0] == _core.DLPACK_CPU
 
 
-def _host_array(value: Any, where: str) -> np.ndarray:
+def host_array(value: Any, where: str) -> np.ndarray:
     """``value`` as a numpy array (a view where numpy can make one).
 
     Exceptions raised by the value's own ``__array__``, ``__dlpack__`` or
@@ -162,7 +162,7 @@ def place(value: Any, aval: Any, sharding: Sharding, committed: bool, where: str
             return _handoff.put_dlpack(value, aval, sharding, committed)
         host, ours = np.asarray(value), False
     else:
-        host, ours = _host_array(value, where), type(value) in _BUILT
+        host, ours = host_array(value, where), type(value) in _BUILT
     if host.shape != shape:
         raise invalid(ValueError, f"{where}: expected shape {shape}, got {host.shape}")
     if host.dtype == dtype and host.flags.c_contiguous:
@@ -173,9 +173,9 @@ def place(value: Any, aval: Any, sharding: Sharding, committed: bool, where: str
         )
         return _handoff.put_host(host, aval, sharding, committed, alias)
     # Cast, byte-swap or gather strides in one pass into memory that is ours.
-    _check_cast(host.dtype, dtype, where)
+    check_cast(host.dtype, dtype, where)
     staged = aligned_array(shape, dtype)
-    _copy_checked(host, staged, where)
+    copy_checked(host, staged, where)
     return _handoff.put_host(staged, aval, sharding, committed, alias=True)
 
 

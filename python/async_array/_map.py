@@ -14,8 +14,8 @@ from . import _core, _multiprocess
 from ._array import AsyncArray
 from ._convert import convert_one
 from ._errors import frames_freed, free_frames, shallow_copy
+from ._per_shard import submit_per_shard
 from ._runtime import jax_work, paused_gc
-from ._shards import submit_per_shard
 from ._source import Call, Source
 from ._spec import LeafSpecs, declare_tree, qualname
 

@@ -23,8 +23,8 @@ from .. import _core, _handoff
 from .._convert import convert_one
 from .._errors import reworded, shallow_copy
 from .._map import _one_source_a_leaf
+from .._per_shard import Layout, index_text, layout, shard_host
 from .._runtime import jax_work, paused_gc
-from .._shards import Layout, index_text, layout, shard_host
 from .._source import Call
 from .._spec import LeafSpecs, declare_tree
 

@@ -19,7 +19,7 @@ import numpy as np
 from . import _core, _handoff, _multiprocess
 from ._array import AsyncArray
 from ._buffer import aligned_array
-from ._convert import _check_cast, _copy_checked, _host_array
+from ._convert import check_cast, copy_checked, host_array
 from ._core import HostBuffer
 from ._errors import frames_freed, free_frames, invalid, is_invalid, reworded
 from ._runtime import jax_work
@@ -116,12 +116,12 @@ def shard_host(value: Any, shape: tuple[int, ...], dtype: np.dtype, where: str) 
         value = value.result()
     if isinstance(value, jax.Array):
         value = np.asarray(value)
-    host = _host_array(value, where)
+    host = host_array(value, where)
     if host.shape != shape:
         raise invalid(ValueError, f"{where}: expected shape {shape}, got {host.shape}")
-    _check_cast(host.dtype, dtype, where)
+    check_cast(host.dtype, dtype, where)
     staged = aligned_array(shape, dtype)
-    _copy_checked(host, staged, where)
+    copy_checked(host, staged, where)
     return staged
 
 
