@@ -14,9 +14,9 @@ from ._errors import RemoteFailure, WaitCycleError
 from ._jax_hooks import active as jax_hooks_active
 from ._jit import jit
 from ._map import async_map, async_stream
-from ._per_shard import make_array_from_callback
 from ._runtime import configure, max_workers
 from ._safetensors import load_safetensors
+from ._shards import make_array_from_callback
 from ._waits import (
     ALL_COMPLETED,
     FIRST_COMPLETED,

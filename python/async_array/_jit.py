@@ -31,6 +31,7 @@ import numpy as np
 from . import _core, _jax_hooks, _multiprocess
 from ._array import AsyncArray, source_of
 from ._errors import frames_freed, free_frames, noted
+from ._leaves import source_leaves
 from ._runtime import exit_hooks, jax_work
 from ._source import Source, pending
 from ._spec import qualname
@@ -681,12 +682,7 @@ class JitFunction:
         """The output leaves of one call; the program runs once the
         compilation and every pending input are done."""
         source = Source(call.out, self._name, len(call.out_avals), call.out_path)
-        outputs = [
-            AsyncArray(source, i, aval, sharding)
-            for i, (aval, sharding) in enumerate(
-                zip(call.out_avals, call.out_shardings, strict=True)
-            )
-        ]
+        outputs = source_leaves(source, call.out_avals, call.out_shardings)
         compiling = call.compiling
         assert compiling is not None and call.leaves is not None
         spans = any(

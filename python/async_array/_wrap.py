@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _core, _multiprocess
-from ._array import AsyncArray
+from . import _core
 from ._convert import convert_results
 from ._errors import frames_freed
+from ._leaves import leaves_for
 from ._runtime import jax_work, paused_gc
-from ._source import Source
 from ._spec import LeafSpecs, declare, qualname
 
 
@@ -23,19 +22,6 @@ def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
 
 # How a cycle message names the task (see async_array.WaitCycleError).
 _run.task_label = lambda f, specs: specs.name  # type: ignore[attr-defined]
-
-
-def _leaves_for(specs: LeafSpecs, future: _core.Future) -> Any:
-    """The ``AsyncArray`` leaves of one call, in the shape of ``like``."""
-    source = Source(future, specs.name, len(specs.avals), specs.key_path)
-    _multiprocess.track(specs, [source])
-    leaves = [
-        AsyncArray(source, i, aval, sharding, committed)
-        for i, (aval, sharding, committed) in enumerate(
-            zip(specs.avals, specs.shardings, specs.committed, strict=True)
-        )
-    ]
-    return leaves[0] if specs.treedef is None else specs.treedef.unflatten(leaves)
 
 
 def async_wrap(
@@ -95,4 +81,4 @@ def async_wrap(
         raise TypeError(f"async_wrap: f must be callable, got {type(f).__name__}")
     with paused_gc():
         specs = declare(f"async_wrap({qualname(f)})", shape, dtype, like, sharding)
-        return _leaves_for(specs, _core.submit(_run, f, specs))
+        return leaves_for(specs, _core.submit(_run, f, specs))

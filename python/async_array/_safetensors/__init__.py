@@ -22,7 +22,7 @@ import numpy as np
 from .. import _core, _handoff
 from .._convert import convert_one
 from .._errors import reworded, shallow_copy
-from .._map import _one_source_a_leaf
+from .._leaves import fail_all_if_failed, one_source_a_leaf
 from .._per_shard import Layout, index_text, layout, shard_host
 from .._runtime import jax_work, paused_gc
 from .._source import Call
@@ -730,14 +730,14 @@ def load_safetensors(
         futures = [_core.Future() for _ in paths]
         # One call: an exception retrieved from any leaf counts for all (a
         # header that fails fails every leaf; one report, not one a leaf).
-        leaves = _one_source_a_leaf(specs, futures, Call())
+        leaves = one_source_a_leaf(specs, futures, Call())
         load = _Load(specs, names, futures, max_bytes_in_flight, callback)
         if where is not None:
             load.plan(where, source)
             load.pump()
         else:
             opener = _core.submit(_open_and_plan, load, source, timeout, retries)
-            opener.add_done_callback(lambda f: _fail_all_if_failed(f, futures))
+            opener.add_done_callback(lambda f: fail_all_if_failed(f, futures))
         return specs.treedef.unflatten(leaves)
 
 
@@ -789,17 +789,3 @@ def _open_and_plan(load: _Load, source: str, timeout: float | None, retries: int
     where = _open_all(source, timeout, retries, set(load.names))
     load.plan(where, source)
     load.pump()
-
-
-def _fail_all_if_failed(opener: _core.Future, futures: list[_core.Future]) -> None:
-    """The header could not be read (or the task was cancelled): every leaf
-    not yet finished fails with that exception."""
-    if opener.cancelled():
-        for fut in futures:
-            fut.cancel()
-        return
-    exc = opener.exception(0)
-    if exc is not None:
-        for fut in futures:
-            if not fut.done():
-                fut.set_exception(shallow_copy(exc))
