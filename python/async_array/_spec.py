@@ -67,24 +67,35 @@ def shape_tuple(shape: Any, where: str) -> tuple[int, ...]:
     return out
 
 
-def timeout_seconds(timeout: Any, caller: str) -> float | None:
-    """``timeout`` as the waits take it: None (no limit) or seconds as a float;
-    a negative number counts as zero, as in ``concurrent.futures``.
+def timeout_seconds(timeout: Any, caller: str, *, positive: bool = False) -> float | None:
+    """``timeout`` as seconds (a float), or None (no limit): the one parser of
+    a timeout argument in the package.
+
+    For a wait (``positive=False``) a negative number counts as zero, as in
+    ``concurrent.futures``. For a request (``positive=True``, as the core's
+    readers take it) the number must be above zero.
 
     Raises:
       TypeError: not a real number nor None (naming ``caller``).
-      ValueError: NaN.
+      ValueError: NaN; with ``positive``, a number not above zero.
     """
     if timeout is None:
         return None
+    what = "a positive number" if positive else "a number"
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
         raise TypeError(
-            f"{caller}: timeout must be a number of seconds or None, got "
+            f"{caller}: timeout must be {what} of seconds or None, got "
             f"{type(timeout).__name__} {timeout!r:.40}"
         )
     t = float(timeout)
+    if positive:
+        if not t > 0:  # NaN too
+            raise ValueError(
+                f"{caller}: timeout must be {what} of seconds or None, got {timeout!r}"
+            )
+        return t
     if t != t:
-        raise ValueError(f"{caller}: timeout must be a number of seconds or None, got nan")
+        raise ValueError(f"{caller}: timeout must be {what} of seconds or None, got nan")
     return max(t, 0.0)
 
 

@@ -26,7 +26,7 @@ from .._leaves import fail_all_if_failed, one_source_a_leaf
 from .._per_shard import Layout, index_text, layout, shard_host
 from .._runtime import jax_work, paused_gc
 from .._source import Call
-from .._spec import LeafSpecs, declare_tree
+from .._spec import LeafSpecs, declare_tree, timeout_seconds
 
 _LOG = logging.getLogger("async_array")
 _NAME = "load_safetensors"
@@ -706,7 +706,7 @@ def load_safetensors(
     """
     source = _source_text(source)
     max_bytes_in_flight = _positive_int_or_none(max_bytes_in_flight, "max_bytes_in_flight")
-    timeout = _request_timeout(timeout)
+    timeout = timeout_seconds(timeout, _NAME, positive=True)
     retries = _retries(retries)
     callback = _progress_callback(progress)
     name = f"{_NAME}({source!r})"
@@ -752,23 +752,6 @@ def _positive_int_or_none(value: Any, arg: str) -> int | None:
     if value <= 0:
         raise ValueError(f"{_NAME}: {arg} must be a positive int (bytes) or None, got {value}")
     return int(value)
-
-
-def _request_timeout(timeout: Any) -> float | None:
-    """``timeout`` as the core takes it: None, or positive seconds."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
-        raise TypeError(
-            f"{_NAME}: timeout must be a positive number of seconds or None, got "
-            f"{type(timeout).__name__} {timeout!r:.40}"
-        )
-    t = float(timeout)
-    if not t > 0:  # NaN too
-        raise ValueError(
-            f"{_NAME}: timeout must be a positive number of seconds or None, got {timeout!r}"
-        )
-    return t
 
 
 _MAX_RETRIES = 2**32 - 1  # the core counts them in a u32
