@@ -422,7 +422,7 @@ def _recording_safetensors(run: Run) -> None:
     (its ``address``), to count the leaves JAX took without a copy."""
     from async_array import _safetensors
 
-    convert = _safetensors.convert_one
+    convert = _safetensors._read.convert_one
 
     def recording(specs, i, value):
         address = getattr(value, "address", None)
@@ -430,7 +430,7 @@ def _recording_safetensors(run: Run) -> None:
             run.read_at[f"leaf {i}"] = address
         return convert(specs, i, value)
 
-    _safetensors.convert_one = recording
+    _safetensors._read.convert_one = recording
 
 
 def _load_safetensors_then(run: Run, jit_name: str):
