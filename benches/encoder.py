@@ -1,4 +1,4 @@
-"""The encoder benchmark of issues 17 and 18: load a BERT-base-sized encoder's
+"""The encoder benchmark: load a BERT-base-sized encoder's
 weights while its forward pass compiles, against what a JAX user would pick instead.
 
 The weights (202 float32 tensors, 110M parameters, 440 MB: BERT-base's

@@ -1,4 +1,4 @@
-"""Leaves with the standard futures tools (issue 14): ``AsyncArray.future()``,
+"""Leaves with the standard futures tools: ``AsyncArray.future()``,
 ``aa.future(tree)``, ``await``, and the behaviour of ``concurrent.futures``
 and ``jax.Array`` where the two meet (modelled on CPython's own future tests)."""
 

@@ -1,4 +1,4 @@
-"""The real thing (issue 16 item 7): N processes on 127.0.0.1 under
+"""The real thing: N processes on 127.0.0.1 under
 ``jax.distributed``, 2 CPU devices each, each running ``multihost_worker.py``.
 
 One job per N runs every scenario (a job costs seconds to start: 5 s for 2

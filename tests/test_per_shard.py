@@ -1,4 +1,4 @@
-"""Per-shard loading (issue 16 items 1, 2): ``aa.make_array_from_callback`` and
+"""Per-shard loading: ``aa.make_array_from_callback`` and
 ``aa.async_map(..., per_shard=True)`` on the four CPU devices of ``conftest.py``."""
 
 import threading
