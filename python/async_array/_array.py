@@ -139,7 +139,8 @@ class AsyncArray(jax.Array):
         Never waits."""
         if self._value is None and not self._succeeded():
             return None
-        return self.result().format
+        value: Any = self.result()  # .format: not in JAX's stubs of jax.Array
+        return value.format
 
     def _succeeded(self) -> bool:
         source = self._source
@@ -331,7 +332,8 @@ class AsyncArray(jax.Array):
             raise _jax_hooks.hooks_error()
         return self.result
 
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+    # No ``context``: numpy deprecated it, and jax.Array's own does not use it.
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:  # type: ignore[override]
         out = np.asarray(self.result(), dtype=dtype)
         return out.copy() if copy else out
 

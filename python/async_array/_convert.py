@@ -68,6 +68,7 @@ def copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
 @functools.lru_cache(maxsize=256)
 def _on_one_cpu(sharding: Sharding) -> bool:
     """Whether host memory can be aliased there: one CPU device."""
+    device: Any
     (device, *more) = sharding.device_set
     return not more and device.platform == "cpu"
 

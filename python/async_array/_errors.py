@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import traceback
 from types import TracebackType
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from ._core import WaitCycleError
 
@@ -81,7 +81,7 @@ class _FramesFreed:
         kind: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> Literal[False]:
         if tb is not None:
             traceback.clear_frames(tb)  # skips the frames still running (this one's caller)
         return False

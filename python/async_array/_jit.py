@@ -482,7 +482,8 @@ class JitFunction:
         """Asks JAX to forget this function's traces (``jax.jit(fun).clear_cache()``),
         so the next call traces, lowers and compiles again. Compilations
         already running still finish and serve the calls that wait for them."""
-        self.jitted.clear_cache()
+        jitted: Any = self.jitted  # clear_cache: not in JAX's stubs
+        jitted.clear_cache()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Traces ``fun`` now (JAX reuses a trace of the same avals), and
@@ -696,8 +697,8 @@ class JitFunction:
             call.span_number = _multiprocess.next_call_number()
             for i, leaf in enumerate(call.leaves):
                 if type(leaf) is AsyncArray:
-                    source = source_of(leaf)
-                    ids = None if source is None else source.global_ids
+                    input_source = source_of(leaf)
+                    ids = None if input_source is None else input_source.global_ids
                     if ids is not None and ids[leaf._index] >= 0:
                         call.spanning_inputs.append((ids[leaf._index], i))
         if not compiling.done():

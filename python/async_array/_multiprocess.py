@@ -148,10 +148,11 @@ def _publish_failures(source: Any, failures: list[BaseException | None]) -> None
     me = jax.process_index()
     try:
         for i, n in enumerate(source.global_ids):
-            if n >= 0 and failures[i] is not None:
+            failure = failures[i]
+            if n >= 0 and failure is not None:
                 where = _spec.where(source.name, source.key_path(source.offset + i))
                 store.key_value_set(
-                    f"{PREFIX}failed/{n}", f"process {me}: {where}: {describe(failures[i])}"
+                    f"{PREFIX}failed/{n}", f"process {me}: {where}: {describe(failure)}"
                 )
     except Exception:  # the store is gone (shutdown): nothing to tell
         _LOG.debug("async_array: could not publish a failure", exc_info=True)

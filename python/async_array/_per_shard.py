@@ -10,6 +10,7 @@ every shard on every local device holding its index, in one hand-off.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -62,7 +63,7 @@ def layout(sharding: Sharding, shape: tuple[int, ...]) -> Layout:
     devices: list[Any] = []
     slots: list[int] = []
     for device, index in sharding.addressable_devices_indices_map(shape).items():
-        index = tuple(index)
+        index = tuple(index)  # type: ignore[arg-type]  # never None for an addressable device
         k = by_key.get(_index_key(index))
         if k is None:
             k = by_key[_index_key(index)] = len(indices)
@@ -146,7 +147,11 @@ class _LeafShards:
 
     def assemble(self) -> jax.Array:
         specs, i, lay = self.specs, self.leaf, self.layout
-        shards = [self.shards[k] for k in lay.slots]
+        shards: list[np.ndarray] = []
+        for k in lay.slots:
+            shard = self.shards[k]
+            assert shard is not None  # assembled after its last shard
+            shards.append(shard)
         self.shards = []
         return _handoff.put_shards(
             shards, lay.devices, specs.avals[i], specs.shardings[i], specs.committed[i], True
@@ -229,6 +234,5 @@ def submit_per_shard(
                 state.future.set_exception(exc)
     tasks = _core.submit_many(_run_shard, args)
     for (_, state, _), task in zip(args, tasks, strict=True):
-        task.add_done_callback(lambda t, s=state: _cancel_leaf_if_cancelled(s, t))
-    leaves = one_source_a_leaf(specs, [state.future for state in states])
-    return leaves
+        task.add_done_callback(functools.partial(_cancel_leaf_if_cancelled, state))
+    return one_source_a_leaf(specs, [state.future for state in states])

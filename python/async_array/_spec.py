@@ -13,6 +13,7 @@ import math
 import operator
 import sys
 import warnings
+from types import FrameType
 from typing import Any
 
 import jax
@@ -102,7 +103,8 @@ def timeout_seconds(timeout: Any, caller: str, *, positive: bool = False) -> flo
 def outside_package_stacklevel() -> int:
     """The ``stacklevel`` that makes a warning raised by the caller point at
     the first frame outside async_array: the user's line."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_globals.get("__name__", "").startswith("async_array"):
         frame, level = frame.f_back, level + 1
     return level
@@ -148,7 +150,7 @@ _unchanged: dict[tuple[np.dtype, Any, Any], bool] = {}
 
 
 def _canonical(dtype: np.dtype, fun_name: str) -> np.dtype:
-    config = jax.config
+    config: Any = jax.config  # its options are attributes JAX's stubs do not list
     key = (dtype, config.jax_enable_x64, getattr(config, "jax_explicit_x64_dtypes", None))
     if _unchanged.get(key):
         return dtype
@@ -207,7 +209,8 @@ def default_device() -> Any:
     Raises:
       ValueError: the configured default device belongs to another process.
     """
-    configured = jax.config.jax_default_device
+    config: Any = jax.config  # its options are attributes JAX's stubs do not list
+    configured = config.jax_default_device
     if configured is None:
         return jax.local_devices()[0]
     if isinstance(configured, str):
@@ -288,13 +291,15 @@ def _broadcast_shardings(sharding: Any, like: Any, n: int, where: str) -> list[A
     if _is_placement(sharding):
         return [placement(sharding, where)] * n
     prefix, prefix_def = jax.tree_util.tree_flatten(sharding, is_leaf=_is_placement)
+    structure: Any = prefix_def  # a PyTreeDef, which JAX's stubs leave untyped
     try:
-        subtrees = prefix_def.flatten_up_to(like)
+        subtrees = structure.flatten_up_to(like)
     except ValueError as exc:
         raise ValueError(f"{where}: sharding is not a pytree prefix of like: {exc}") from None
     out: list[Any] = []
     for s, sub in zip(prefix, subtrees, strict=True):
-        out.extend([placement(s, where)] * jax.tree_util.tree_structure(sub).num_leaves)
+        count: int = jax.tree_util.tree_structure(sub).num_leaves  # type: ignore[attr-defined]
+        out.extend([placement(s, where)] * count)
     return out
 
 

@@ -127,7 +127,7 @@ def materialize(tree: Any, timeout: float | None = None) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     values = resolve_all(leaves, timeout, "aa.materialize")
     with paused_gc():
-        return treedef.unflatten(values)
+        return treedef.unflatten(values)  # type: ignore[attr-defined]
 
 
 class TreePending(NamedTuple):
@@ -151,7 +151,12 @@ def _pending(tree: Any, distinct: bool = False) -> TreePending:
         ]
         if distinct:
             seen: set[int] = set()
-            flat = [pair for pair in flat if not (id(pair[1]) in seen or seen.add(id(pair[1])))]
+            unique = []
+            for pair in flat:
+                if id(pair[1]) not in seen:
+                    seen.add(id(pair[1]))
+                    unique.append(pair)
+            flat = unique
         found = pending(source_of(leaf) for _, leaf in flat)
         return TreePending(flat, found.futures, found.groups, found.ready)
 
@@ -200,7 +205,8 @@ def wait(
     p = _pending(tree)
     with _naming_cycles(p):
         _wait(p, timeout, return_when)
-    done, not_done = [], []
+    done: list[tuple[Any, AsyncArray]] = []
+    not_done: list[tuple[Any, AsyncArray]] = []
     for pair in p.paths:
         (done if pair[1].done() else not_done).append(pair)
     return DoneAndNotDone(done, not_done)
@@ -332,6 +338,7 @@ def future(tree: Any) -> concurrent.futures.Future:
 def _settle_tree(out: concurrent.futures.Future, tree: Any) -> None:
     if out.done():
         return
+    failed: BaseException | None
     try:
         value = materialize(tree, 0)
     except BaseException as exc:  # a leaf's failure, for the future to hold

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, overload
 
 from . import _core
+from ._array import AsyncArray
 from ._convert import convert_results
 from ._errors import frames_freed
 from ._leaves import leaves_for
@@ -22,6 +23,28 @@ def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
 
 # How a cycle message names the task (see async_array.WaitCycleError).
 _run.task_label = lambda f, specs: specs.name  # type: ignore[attr-defined]
+
+
+@overload
+def async_wrap(
+    f: Callable[[], Any],
+    *,
+    shape: Sequence[int] | int,
+    dtype: Any,
+    like: None = None,
+    sharding: Any = None,
+) -> AsyncArray: ...
+
+
+@overload
+def async_wrap(
+    f: Callable[[], Any],
+    *,
+    shape: None = None,
+    dtype: None = None,
+    like: Any,
+    sharding: Any = None,
+) -> Any: ...  # a pytree of AsyncArray shaped like ``like``
 
 
 def async_wrap(

@@ -7,6 +7,7 @@ import functools
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .. import _handoff
 from .._convert import convert_one
@@ -34,7 +35,7 @@ def read_job(load: Load, job: Job) -> None:
         reads = job.reads
         if not file.remote:  # a cancelled leaf is not read (over HTTP: one request anyway)
             reads = [r for r in reads if not futures[r.leaf].done()]
-        wants: list[tuple[int, np.dtype, Any]] = []
+        wants: list[tuple[int, DTypeLike, list[tuple[int, int]] | None]] = []
         for r in reads:
             dtype = buffer_dtype(r.np_name)
             if r.bounds is None:

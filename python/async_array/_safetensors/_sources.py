@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import urllib.parse
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import ml_dtypes
@@ -64,7 +65,7 @@ def read_index(source: str, timeout: float | None, retries: int) -> dict[str, st
         if size > len(data):
             raise ValueError(f"{source}: an index of {size} bytes is over the {MAX_INDEX} limit")
         base = source
-        join = urllib.parse.urljoin
+        join: Callable[[str, str], str] = urllib.parse.urljoin
     else:
         with open(source, "rb") as f:
             data = f.read(MAX_INDEX + 1)
