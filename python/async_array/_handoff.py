@@ -19,9 +19,7 @@ import numpy as np
 from . import _core
 from . import _jax_hooks as hooks
 from ._buffer import aligned_array
-
-_X64_DTYPES = frozenset(map(np.dtype, ("int64", "uint64", "float64", "complex128")))
-
+from ._spec import X64_DTYPES
 
 # Devices of shardings that give every device the whole array, by id; the
 # sharding is kept too, so its id is never reused while cached.
@@ -54,7 +52,7 @@ def _public_put(x: Any, aval: Any, sharding: Any, committed: bool) -> jax.Array:
         target = None
         place = jax.default_device(next(iter(sharding.device_set)))
     with place:
-        if aval.dtype in _X64_DTYPES:
+        if aval.dtype in X64_DTYPES:
             with jax.enable_x64(True):
                 return jax.device_put(x, target, may_alias=True)
         return jax.device_put(x, target, may_alias=True)

@@ -17,6 +17,7 @@ from types import FrameType
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from . import _jax_hooks
@@ -108,6 +109,21 @@ def outside_package_stacklevel() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").startswith("async_array"):
         frame, level = frame.f_back, level + 1
     return level
+
+
+#: The 64-bit dtypes, which JAX narrows to 32 bits while x64 is off.
+X64_DTYPES = frozenset(map(np.dtype, ("int64", "uint64", "float64", "complex128")))
+
+
+@functools.cache
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a dtype name as numpy or ml_dtypes spell it
+    (``float32``; ``bfloat16`` and the float8 kinds from ml_dtypes, as in JAX).
+
+    Raises:
+      TypeError: not a dtype name.
+    """
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
 def canonical_dtype(dtype: np.dtype, fun_name: str) -> np.dtype:

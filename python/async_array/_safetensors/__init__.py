@@ -15,11 +15,11 @@ from .._array import AsyncArray
 from .._leaves import fail_all_if_failed, one_source_a_leaf
 from .._runtime import paused_gc
 from .._source import Call
-from .._spec import LeafSpecs, declare_tree, timeout_seconds
+from .._spec import LeafSpecs, declare_tree, numpy_dtype, timeout_seconds
 from ._plan import Load
 from ._progress import progress_callback
 from ._read import read_job
-from ._sources import NAME, np_dtype, open_all, source_text, tensor_name
+from ._sources import NAME, open_all, source_text, tensor_name
 
 
 @overload
@@ -188,7 +188,7 @@ def load_safetensors(
         like = {
             tensor: jax.ShapeDtypeStruct(
                 tuple(header.entries[t].shape),
-                jax.dtypes.canonicalize_dtype(np_dtype(header.entries[t].numpy_dtype)),
+                jax.dtypes.canonicalize_dtype(numpy_dtype(header.entries[t].numpy_dtype)),
             )
             for tensor, (header, t) in where.items()
         }

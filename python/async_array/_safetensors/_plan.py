@@ -17,8 +17,8 @@ import numpy as np
 from .. import _core, _handoff
 from .._per_shard import Layout, layout
 from .._runtime import jax_work
-from .._spec import LeafSpecs
-from ._sources import Header, np_dtype
+from .._spec import LeafSpecs, numpy_dtype
+from ._sources import Header
 
 _LOG = logging.getLogger("async_array")
 # Over HTTP, neighbouring tensors of at most _SMALL bytes each share one range
@@ -109,7 +109,7 @@ class Load:
             st_dtype, np_name, shape = entry.dtype, entry.numpy_dtype, entry.shape
             start, end = entry.start, entry.end
             aval = specs.avals[i]
-            found = np_dtype(np_name)
+            found = numpy_dtype(np_name)
             if tuple(shape) != aval.shape or not dtype_fits(found, aval.dtype):
                 self.fail(
                     i,

@@ -14,9 +14,8 @@ from .._convert import convert_one
 from .._errors import shallow_copy
 from .._per_shard import index_text, shard_host
 from .._runtime import jax_work
-from .._spec import LeafSpecs
+from .._spec import LeafSpecs, numpy_dtype
 from ._plan import Job, Load, Read
-from ._sources import np_dtype
 
 # No DLPack code for these: read as bytes, then one copy viewed as float8.
 FLOAT8 = {"float8_e4m3fn", "float8_e5m2"}
@@ -78,7 +77,7 @@ def to_jax(specs: LeafSpecs, r: Read, buffers: list[Any]) -> Any:
     conversion failed with) from its read buffers."""
     i = r.leaf
     if r.np_name in FLOAT8:  # no DLPack code: one copy, viewed as float8
-        buffers = [np.asarray(b).view(np_dtype(r.np_name)) for b in buffers]
+        buffers = [np.asarray(b).view(numpy_dtype(r.np_name)) for b in buffers]
     if r.layout is None:
         return convert_one(specs, i, buffers[0])
     lay = r.layout
@@ -102,4 +101,4 @@ def to_jax(specs: LeafSpecs, r: Read, buffers: list[Any]) -> Any:
 
 @functools.cache
 def buffer_dtype(np_name: str) -> np.dtype:
-    return np.dtype(np.uint8) if np_name in FLOAT8 else np_dtype(np_name)
+    return np.dtype(np.uint8) if np_name in FLOAT8 else numpy_dtype(np_name)

@@ -5,28 +5,17 @@ here, naming the call), and each tensor's record as a :class:`TensorEntry`."""
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import os
 import urllib.parse
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import ml_dtypes
-import numpy as np
-
 from .. import _core
 from .._errors import reworded
 
 NAME = "load_safetensors"
 MAX_INDEX = 64 << 20
-
-
-@functools.cache
-def np_dtype(name: str) -> np.dtype:
-    """The numpy dtype of a core dtype name (``bfloat16`` and the float8
-    kinds from ml_dtypes, as in JAX)."""
-    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
 def source_text(source: Any) -> str:
