@@ -13,8 +13,7 @@ from typing import NamedTuple
 import jax
 
 from . import _core, _spec
-from ._core import WaitCycleError
-from ._errors import shallow_copy, waiting_on
+from ._errors import WaitCycleError, shallow_copy, waiting_on
 
 _LOG = logging.getLogger("async_array")
 

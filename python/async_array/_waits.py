@@ -18,8 +18,7 @@ import jax
 
 from . import _core
 from ._array import AsyncArray, source_of, where_of
-from ._core import WaitCycleError
-from ._errors import waiting_on
+from ._errors import WaitCycleError, waiting_on
 from ._runtime import paused_gc
 from ._source import pending
 from ._spec import timeout_seconds
