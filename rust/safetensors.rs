@@ -164,30 +164,82 @@ fn at(file: &str, name: &str) -> String {
     format!("{file}: tensor {name:?}")
 }
 
+/// The members of a JSON object in the order of the text, duplicates kept
+/// (a `serde_json::Map` keeps only the last of a duplicated key, and the
+/// earlier one would go unchecked).
+struct Members(Vec<(String, Value)>);
+
+impl<'de> serde::Deserialize<'de> for Members {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Members, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Members;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Members, A::Error> {
+                let mut members = Vec::with_capacity(map.size_hint().unwrap_or(0));
+                while let Some(member) = map.next_entry::<String, Value>()? {
+                    members.push(member);
+                }
+                Ok(Members(members))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
 /// Parses and validates the JSON header `json` (the bytes after the length)
 /// of a file of `file_len` bytes. Tensors come back in file order (by start
-/// offset). Checks: a JSON object; each entry an object with a known dtype, a
-/// shape of non-negative integers and two data offsets; offsets within the
-/// data, end - begin = product(shape) x itemsize, no two tensors overlapping.
+/// offset). Checks, at least as strict as the `safetensors` package's own
+/// reader: a JSON object without duplicate keys; `__metadata__` absent, null
+/// or an object of strings (so no tensor can be named `__metadata__`); each
+/// other entry an object with a known dtype, a shape of non-negative integers
+/// and two data offsets; end - begin = product(shape) x itemsize; and the
+/// tensors covering the data section exactly once: no overlap, no gap, no
+/// byte after the last tensor (safetensors refuses such files so that a file
+/// cannot also be another format).
 pub fn parse_header(file: &str, json: &[u8], file_len: u64) -> Result<Vec<TensorInfo>, String> {
     let data_start = 8 + json.len() as u64;
     let hdr = format!("{file}: header (bytes [8, {data_start}))");
-    let value: Value =
-        serde_json::from_slice(json).map_err(|e| format!("{hdr} is not valid JSON: {e}"))?;
-    let Value::Object(map) = value else {
-        return Err(format!(
-            "{hdr} is not a JSON object: it is {}",
-            json_kind(&value)
-        ));
-    };
-    let data_len = file_len - data_start;
-    let mut tensors = Vec::with_capacity(map.len());
-    for (name, entry) in &map {
-        if name == "__metadata__" {
-            if !matches!(entry, Value::Object(_)) {
+    let members = match serde_json::from_slice::<Members>(json) {
+        Ok(Members(members)) => members,
+        // Parsed again only to say what is wrong.
+        Err(e) => match serde_json::from_slice::<Value>(json) {
+            Err(e) => return Err(format!("{hdr} is not valid JSON: {e}")),
+            Ok(value) if !value.is_object() => {
                 return Err(format!(
-                    "{hdr}: __metadata__ must be an object of strings, got {}",
-                    json_kind(entry)
+                    "{hdr} is not a JSON object: it is {}",
+                    json_kind(&value)
+                ))
+            }
+            Ok(_) => return Err(format!("{hdr} is not valid JSON: {e}")),
+        },
+    };
+    let mut names: Vec<&str> = members.iter().map(|(name, _)| name.as_str()).collect();
+    names.sort_unstable();
+    if let Some(pair) = names.windows(2).find(|pair| pair[0] == pair[1]) {
+        return Err(format!(
+            "{hdr}: key {:?} appears more than once (a header names each tensor once)",
+            pair[0]
+        ));
+    }
+    let data_len = file_len - data_start;
+    let mut tensors = Vec::with_capacity(members.len());
+    for (name, entry) in &members {
+        if name == "__metadata__" {
+            let strings = match entry {
+                Value::Null => true,
+                Value::Object(m) => m.values().all(Value::is_string),
+                _ => false,
+            };
+            if !strings {
+                return Err(format!(
+                    "{hdr}: __metadata__ must be null or an object of strings (it names no \
+                     tensor), got {entry:.200}"
                 ));
             }
             continue;
@@ -281,6 +333,18 @@ pub fn parse_header(file: &str, json: &[u8], file_len: u64) -> Result<Vec<Tensor
         });
     }
     tensors.sort_by_key(|t| (t.start, t.end));
+    let uncovered = |from: u64, to: u64, where_: String| {
+        format!(
+            "{file}: file bytes [{from}, {to}) {where_} belong to no tensor: the tensors \
+             must cover the data section exactly, as safetensors requires"
+        )
+    };
+    if let Some(first) = tensors.first() {
+        if first.start > data_start {
+            let where_ = format!("before tensor {:?}", first.name);
+            return Err(uncovered(data_start, first.start, where_));
+        }
+    }
     for pair in tensors.windows(2) {
         let (a, b) = (&pair[0], &pair[1]);
         if b.start < a.end {
@@ -289,6 +353,18 @@ pub fn parse_header(file: &str, json: &[u8], file_len: u64) -> Result<Vec<Tensor
                 a.name, a.start, a.end, b.name, b.start, b.end
             ));
         }
+        if b.start > a.end {
+            let where_ = format!("between tensors {:?} and {:?}", a.name, b.name);
+            return Err(uncovered(a.end, b.start, where_));
+        }
+    }
+    let end = tensors.last().map_or(data_start, |t| t.end);
+    if end < file_len {
+        let where_ = match tensors.last() {
+            Some(t) => format!("after the last tensor, {:?},", t.name),
+            None => "after a header of no tensor".to_owned(),
+        };
+        return Err(uncovered(end, file_len, where_));
     }
     Ok(tensors)
 }
@@ -339,14 +415,50 @@ pub struct LocalFile {
     pub file: File,
     pub len: u64,
     pub tensors: Vec<TensorInfo>,
+    /// The modification time when the header was read: with `len`, what a
+    /// later read checks the file against (see [`LocalFile::changed`]).
+    pub modified: Option<std::time::SystemTime>,
 }
 
 impl LocalFile {
     /// Opens `path` and reads its header: one read of at most [`FIRST_READ`]
     /// bytes, a second only for a longer header.
+    ///
+    /// Anything but a regular file is refused: opening a FIFO for reading
+    /// would block until a writer came (so it is opened non-blocking, then
+    /// checked), and a device or socket has no stable size to check reads by.
     pub fn open(path: &str) -> Result<LocalFile, Error> {
-        let file = File::open(path).map_err(|e| Error::from_io(path, &e))?;
-        let len = file.metadata().map_err(|e| Error::from_io(path, &e))?.len();
+        use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .map_err(|e| Error::from_io(path, &e))?;
+        let meta = file.metadata().map_err(|e| Error::from_io(path, &e))?;
+        let kind = meta.file_type();
+        if kind.is_dir() {
+            return Err(Error::Os {
+                errno: libc::EISDIR,
+                message: format!("{path}: is a directory, not a safetensors file"),
+            });
+        }
+        if !kind.is_file() {
+            let what = if kind.is_fifo() {
+                "a FIFO (named pipe)"
+            } else if kind.is_socket() {
+                "a socket"
+            } else if kind.is_block_device() || kind.is_char_device() {
+                "a device"
+            } else {
+                "not a regular file"
+            };
+            return Err(Error::InvalidArgument(format!(
+                "{path}: is {what}; a safetensors file must be a regular file \
+                 (its tensors are read at offsets)"
+            )));
+        }
+        let len = meta.len();
+        let modified = meta.modified().ok();
         let invalid = Error::Format;
         let mut first = vec![0u8; FIRST_READ.min(len) as usize];
         let what = format!("{path}: header (bytes [0, {}))", first.len());
@@ -371,7 +483,27 @@ impl LocalFile {
             file,
             len,
             tensors,
+            modified,
         })
+    }
+
+    /// Why the file is no longer as its header was read (written to since:
+    /// another size or modification time), or None. Reads go through the
+    /// descriptor opened with the header, so a file replaced by a rename
+    /// reads on consistently; one rewritten in place is caught here.
+    pub fn changed(&self) -> Option<String> {
+        let what = match self.file.metadata() {
+            Err(e) => format!("it cannot be checked: {e}"),
+            Ok(m) if m.len() != self.len => {
+                format!("its size was {} bytes, now {}", self.len, m.len())
+            }
+            Ok(m) if m.modified().ok() != self.modified => "it was modified".to_owned(),
+            Ok(_) => return None,
+        };
+        Some(format!(
+            "the file changed since its header was read ({what}); no tensor is read from a \
+             file whose offsets may have moved: load it again"
+        ))
     }
 }
 
@@ -441,12 +573,69 @@ mod tests {
                 "overlap",
             ),
             ("{not json", 0, "not valid JSON"),
+            // Stricter than a JSON parser, as strict as safetensors:
+            (
+                "{} ",
+                1,
+                "bytes [11, 12) after a header of no tensor belong to no tensor",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+                8,
+                "before tensor \"a\" belong to no tensor",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},
+                   "b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}"#,
+                12,
+                "between tensors \"a\" and \"b\" belong to no tensor",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+                5,
+                "after the last tensor, \"a\", belong to no tensor",
+            ),
+            (
+                r#"{"__metadata__":{"a":1}}"#,
+                0,
+                "must be null or an object of strings",
+            ),
+            (
+                r#"{"__metadata__":[]}"#,
+                0,
+                "must be null or an object of strings",
+            ),
+            (
+                r#"{"__metadata__":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+                4,
+                "must be null or an object of strings",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},
+                   "a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+                4,
+                "key \"a\" appears more than once",
+            ),
         ];
         for (json, data, want) in cases {
             let err = parse(json, data).unwrap_err();
             assert!(err.contains(want), "{json}: {err}");
             assert!(err.starts_with("f: "), "{err}");
         }
+    }
+
+    #[test]
+    fn null_metadata_and_zero_sized_tensors_are_accepted() {
+        let t = parse(
+            r#"{"__metadata__":null,
+                "e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]},
+                "a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+            4,
+        )
+        .unwrap();
+        let names: Vec<_> = t.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["a", "e"]);
+        assert!(parse("{}", 0).unwrap().is_empty());
     }
 
     #[test]

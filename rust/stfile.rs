@@ -185,8 +185,9 @@ pub fn read_url_prefix(
         let mut out = Vec::new();
         let end = max_bytes.max(1);
         let total = http
-            .read_range(&url, 0, end, true, &mut |b| out.extend_from_slice(b))
-            .map_err(|f| f.at(&format!("{url}: bytes [0, {end})")))?;
+            .read_range(&url, 0, end, true, None, &mut |b| out.extend_from_slice(b))
+            .map_err(|f| f.at(&format!("{url}: bytes [0, {end})")))?
+            .total;
         Ok((out, total))
     })
 }

@@ -4,6 +4,8 @@ progress."""
 
 import errno
 import json
+import os
+import re
 import struct
 import threading
 
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
+from conftest import WAIT, Gate, wait_for
 from safetensors import _safetensors_rust as st_rust
 
 import async_array as aa
@@ -203,14 +206,13 @@ def test_missing_file_raises_at_the_call(tmp_path):
     assert info.value.filename == str(tmp_path / "nope.safetensors")
 
 
-def test_an_os_error_keeps_its_errno_and_python_subclass(tmp_path):
-    # A directory opens, and its first read fails with EISDIR: an OS error,
-    # not a malformed file.
+def test_a_directory_is_is_a_directory_error_with_its_errno_at_the_call(tmp_path):
+    # As open() raises it: errno, and the path as filename.
     with pytest.raises(IsADirectoryError) as info:
         aa.load_safetensors(tmp_path)
     assert info.value.errno == errno.EISDIR
-    assert info.value.strerror.startswith(f"load_safetensors: {tmp_path}: header (bytes [0, ")
-    assert info.value.strerror.endswith(")): Is a directory")
+    assert info.value.strerror == "load_safetensors: is a directory, not a file"
+    assert info.value.filename == str(tmp_path)
 
 
 def entry(dtype="F32", shape=(2,), offsets=(0, 8), **drop):
@@ -423,3 +425,70 @@ def test_progress_true_shows_one_tqdm_bar_on_stderr(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "load_safetensors" in err
     assert "3.00k/3.00k" in err
+
+
+# -- a file that changes during a load, and files that are not regular ----------------
+
+
+def reads_queued(pool_size, path):
+    """Loads ``path`` with its header read and every tensor read queued behind
+    a worker held by a gate; returns the leaves and the gate."""
+    pool_size(1)
+    blocker = Gate(np.zeros(1, np.float32))
+    blocker.leaf()
+    wait_for(blocker.started, "the only worker to be taken")
+    return aa.load_safetensors(path), blocker
+
+
+def test_a_file_grown_after_its_header_was_read_fails_its_leaves(tmp_path, pool_size):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.ones((4, 4), np.float32)}, str(path))
+    tree, blocker = reads_queued(pool_size, path)
+    with open(path, "ab") as f:
+        f.write(b"\0" * 8)
+    blocker.open()
+    exc = tree["w"].exception(timeout=WAIT)
+    assert isinstance(exc, OSError)
+    assert re.search(
+        r'tensor "w" .*the file changed since its header was read \(its size was \d+ bytes',
+        str(exc),
+    ), str(exc)
+
+
+def test_a_file_rewritten_in_place_fails_its_leaves(tmp_path, pool_size):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.ones((4, 4), np.float32)}, str(path))
+    before = os.stat(path).st_mtime_ns
+    tree, blocker = reads_queued(pool_size, path)
+    os.utime(path, ns=(before, before + 1_000_000_000))  # as a write in place leaves it
+    blocker.open()
+    with pytest.raises(OSError, match=r"changed since its header was read \(it was modified\)"):
+        tree["w"].result(timeout=WAIT)
+
+
+def test_a_file_replaced_by_a_rename_reads_the_file_its_header_came_from(tmp_path, pool_size):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.ones((4, 4), np.float32)}, str(path))
+    tree, blocker = reads_queued(pool_size, path)
+    safetensors.numpy.save_file({"w": np.zeros((8,), np.float16)}, str(tmp_path / "new"))
+    os.replace(tmp_path / "new", path)
+    blocker.open()
+    np.testing.assert_array_equal(tree["w"].result(timeout=WAIT), np.ones((4, 4), np.float32))
+
+
+def test_a_fifo_is_refused_at_the_call(tmp_path):
+    fifo = tmp_path / "m.safetensors"
+    os.mkfifo(fifo)
+    like = {"w": jax.ShapeDtypeStruct((2,), np.float32)}
+    for kwargs in ({}, {"like": like}):
+        with pytest.raises(ValueError, match=r"load_safetensors: .*m.safetensors: is a FIFO"):
+            aa.load_safetensors(fifo, **kwargs)
+
+
+def test_a_fifo_named_by_an_index_fails_its_leaves_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "part.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "part.safetensors"}})
+    )
+    with pytest.raises(ValueError, match=r"part.safetensors: is a FIFO \(named pipe\)"):
+        aa.materialize(aa.load_safetensors(tmp_path / "model.safetensors.index.json"), WAIT)

@@ -273,15 +273,13 @@ def as_completed(tree: Any, timeout: float | None = None) -> Iterator[tuple[Any,
 
 
 def _as_completed(p: TreePending, timeout: float | None) -> Iterator[tuple[Any, jax.Array]]:
+    # Each pair is built by _take and yielded straight away: the generator's
+    # frame never binds a yielded leaf or value, so a caller that drops them
+    # frees them while the iteration goes on.
     deadline = None if timeout is None else time.monotonic() + timeout
     paths = p.paths
     for i in p.ready:
-        path, leaf = paths[i]
-        paths[i] = None  # type: ignore[call-overload]
-        value = leaf.result()
-        del leaf
-        yield path, value
-        del path, value
+        yield _take(paths, i)
     if not p.futures:
         return
     watcher = _core.Watcher(p.futures)
@@ -296,12 +294,14 @@ def _as_completed(p: TreePending, timeout: float | None) -> Iterator[tuple[Any, 
             raise not_ready("aa.as_completed", [pair[1] for pair in paths if pair], timeout)
         futures[k] = None  # type: ignore[call-overload]
         for i in p.leaves[k]:
-            path, leaf = paths[i]
-            paths[i] = None  # type: ignore[call-overload]
-            value = leaf.result()
-            del leaf
-            yield path, value
-            del path, value
+            yield _take(paths, i)
+
+
+def _take(paths: list[tuple[Any, AsyncArray]], i: int) -> tuple[Any, jax.Array]:
+    """``(key_path, value)`` of the i-th leaf, forgotten by ``paths``."""
+    path, leaf = paths[i]
+    paths[i] = None  # type: ignore[call-overload]
+    return path, leaf.result()
 
 
 def future(tree: Any) -> concurrent.futures.Future:

@@ -112,8 +112,10 @@ def load_safetensors(
         no timeout.
       retries: how often (an int from 0 to 2**32 - 1) an HTTP request that
         failed to connect, lost its connection (before or during the body:
-        the retry asks only for the bytes not yet received), or got a 5xx is
-        retried, after 0.1 s, then twice as long each time (at most 5 s).
+        the retry asks only for the bytes not yet received), or got a 5xx or
+        429 is retried, after 0.1 s, then twice as long each time (at most
+        5 s), or after the ``Retry-After`` of a 429 or 503 (seconds or an HTTP
+        date; one beyond ``timeout`` fails at once).
       progress: False; True for one ``tqdm`` progress bar on stderr (bytes,
         MB/s, ETA; nothing when ``tqdm`` is not installed); or a callable,
         called on a pool thread as ``progress(bytes_done, bytes_total)``: once
@@ -136,9 +138,15 @@ def load_safetensors(
       FileNotFoundError: no such file, or HTTP 404 (at the call when ``like``
         is None, else from every leaf).
       ValueError: a malformed header: length beyond the file, not a JSON
-        object, a missing or unknown dtype, offsets out of bounds, overlapping,
-        or not matching shape x itemsize; the message names the file, the
+        object, a duplicate key, ``__metadata__`` not null nor an object of
+        strings, a missing or unknown dtype, offsets out of bounds or not
+        matching shape x itemsize, tensors overlapping or leaving data bytes
+        uncovered (as safetensors refuses); the message names the file, the
         tensor and the byte range. Nothing larger than the file is allocated.
+        A local source that is not a regular file (a FIFO), at the call.
+      OSError: (from the leaves read after it) the source changed since its
+        header was read: another size, ETag or Last-Modified over HTTP,
+        another size or modification time for a file.
       OSError: a read failed: 5xx, connection errors or a body cut short
         beyond ``retries``, a wrong ``Content-Range`` or ``Content-Length``, a
         server that ignores Range, a refused certificate. Each leaf of that

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import urllib.parse
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -31,15 +32,32 @@ def source_text(source: Any) -> str:
             f"got {type(source).__name__}"
         )
     if "://" not in source:
-        return source
+        return regular_or_missing(source)
     url = urllib.parse.urlsplit(source)
     if url.scheme == "file":
         if url.netloc not in ("", "localhost"):
             raise ValueError(f"{NAME}: {source}: a file:// URL must name a local file")
-        return urllib.parse.unquote(url.path)
+        return regular_or_missing(urllib.parse.unquote(url.path))
     if url.scheme in ("http", "https"):
         return source
     raise ValueError(f"{NAME}: {source}: unsupported URL scheme {url.scheme!r}")
+
+
+def regular_or_missing(path: str) -> str:
+    """``path``, refused at the call unless it is a regular file or missing
+    (the read says so then): opening a FIFO blocks until a writer comes, and
+    a device has no size to check reads against. Files named by an index are
+    checked by the core as they are opened."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return path
+    if stat.S_ISREG(mode):
+        return path
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, f"{NAME}: is a directory, not a file", path)
+    what = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "not a regular file"
+    raise ValueError(f"{NAME}: {path}: is {what}; a safetensors file must be a regular file")
 
 
 def is_url(source: str) -> bool:
