@@ -12,10 +12,10 @@ import numpy as np
 
 from .. import _core
 from .._array import AsyncArray
-from .._leaves import fail_all_if_failed, one_source_a_leaf
+from .._leaves import fail_all_if_failed, one_source_a_leaf, specs_and_paths
 from .._runtime import paused_gc
 from .._source import Call
-from .._spec import LeafSpecs, declare_tree, numpy_dtype, timeout_seconds
+from .._spec import numpy_dtype, timeout_seconds
 from ._plan import Load
 from ._progress import progress_callback
 from ._read import read_job
@@ -203,9 +203,7 @@ def load_safetensors(
     else:
         where = None
     with paused_gc():
-        flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-        paths = [p for p, _ in flat]
-        specs = declare_tree(LeafSpecs(name, like, treedef, paths), [s for _, s in flat], sharding)
+        specs, paths, _ = specs_and_paths(name, like, sharding)
         names = [tensor_name(p) for p in paths]
         futures = [_core.Future() for _ in paths]
         # One call: an exception retrieved from any leaf counts for all (a
