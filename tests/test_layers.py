@@ -191,3 +191,13 @@ def test_the_import_reader_sees_function_level_and_relative_imports():
 
 def test_architecture_doc_quotes_the_layer_list():
     assert layer_text() in ARCHITECTURE.read_text()
+
+
+def test_architecture_doc_gives_each_source_file_a_row():
+    text = ARCHITECTURE.read_text()
+    rows = {line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| `")}
+    files = {
+        f"`{p.relative_to(PACKAGE)}`" for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts
+    }
+    missing = sorted(f for f in files if not any(row.startswith(f) for row in rows))
+    assert missing == []
