@@ -8,6 +8,7 @@ use crate::error::Error;
 use crate::locks::{lock, wait_once};
 use crate::safetensors::{header_len, parse_header, TensorInfo, FIRST_READ};
 use std::io::Read;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -18,6 +19,23 @@ use std::time::{Duration, Instant};
 /// (Python's `socketserver`: 5) dropped the rest, whose connects then waited
 /// out TCP's retransmission backoff (28 s of a 3 s load, issue 17).
 pub const POOL_CONNECTIONS: usize = 8;
+
+/// Set at interpreter exit ([`abandon_reads`]): reads stop at their next
+/// chunk, retry or request, so exit need not wait for downloads that hold no
+/// Python (its grace is for tasks inside Python or JAX).
+static ABANDONED: AtomicBool = AtomicBool::new(false);
+
+/// Makes every read of this process fail at its next chunk, retry or request
+/// (interpreter exit). There is no undoing it.
+pub fn abandon_reads() {
+    ABANDONED.store(true, Ordering::Release);
+}
+
+fn abandoned() -> bool {
+    ABANDONED.load(Ordering::Acquire)
+}
+
+const ABANDONED_TEXT: &str = "abandoned at interpreter exit";
 
 /// First wait before a retry; doubled at each retry, at most [`MAX_BACKOFF`].
 pub const FIRST_BACKOFF: Duration = Duration::from_millis(100);
@@ -275,7 +293,15 @@ impl Http {
                             self.timeout.unwrap_or_default().as_secs_f64()
                         )));
                     }
-                    std::thread::sleep(pause);
+                    // In slices, so that exit need not wait out a long Retry-After.
+                    let until = now + pause;
+                    while !abandoned() {
+                        let left = until.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            break;
+                        }
+                        std::thread::sleep(left.min(Duration::from_millis(50)));
+                    }
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                     attempt += 1;
                 }
@@ -303,6 +329,9 @@ impl Http {
                 self.timeout.unwrap_or_default().as_secs_f64()
             )))
         };
+        if abandoned() {
+            return Err(Attempt::Fatal(Failure::io(ABANDONED_TEXT.into())));
+        }
         let left = match deadline {
             None => None,
             Some(d) => match d.checked_duration_since(Instant::now()) {
@@ -455,6 +484,9 @@ impl Http {
         while here < end - start {
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(timed_out());
+            }
+            if abandoned() {
+                return Err(Attempt::Fatal(Failure::io(ABANDONED_TEXT.into())));
             }
             let want = ((end - start - here) as usize).min(chunk.len());
             match reader.read(&mut chunk[..want]) {

@@ -72,10 +72,12 @@ pub fn exiting() -> bool {
     EXITING.load(Ordering::Acquire)
 }
 
-/// At interpreter exit: cancels queued tasks; running ones are not waited for.
+/// At interpreter exit: cancels queued tasks and abandons HTTP reads (at
+/// their next chunk); running tasks are not waited for.
 #[pyfunction]
 pub fn shutdown() {
     EXITING.store(true, Ordering::Release);
+    crate::http::abandon_reads();
     pool().shutdown();
 }
 

@@ -4,13 +4,16 @@ way out, every failure names its cause."""
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import subprocess
+import threading
 import weakref
 
 import jax
 import numpy as np
 import pytest
-from conftest import WAIT, Gate, poll_until, run_script, wait_for
+from conftest import WAIT, Gate, kill_group, poll_until, run_script, spawn, wait_for
 
 import async_array as aa
 
@@ -347,6 +350,34 @@ def test_exit_says_why_it_waits_for_a_running_task():
     assert "async_array: exit waits up to 2 s ($ASYNC_ARRAY_EXIT_GRACE) for the pool's" in (
         proc.stderr
     )
+
+
+def test_a_second_ctrl_c_during_the_exit_wait_leaves_without_a_traceback():
+    proc = spawn(EXIT_WITH_A_TASK_ASLEEP_SCRIPT, env={"ASYNC_ARRAY_EXIT_GRACE": "3600"})
+    try:
+        said = threading.Event()
+        lines: list[str] = []
+
+        def read_stderr():
+            for line in proc.stderr:
+                lines.append(line)
+                if "exit waits up to" in line:
+                    said.set()
+
+        reader = threading.Thread(target=read_stderr, daemon=True)
+        reader.start()
+        assert said.wait(WAIT), "".join(lines)
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(WAIT) == 128 + signal.SIGINT
+        reader.join(WAIT)
+    finally:
+        kill_group(proc)
+        proc.stdout.close()
+        proc.stderr.close()
+    text = "".join(lines)
+    assert "exit interrupted; leaving without waiting for the pool's tasks" in text, text
+    for bad in ("Traceback", "Exception ignored", "FATAL", "Fatal Python error"):
+        assert bad not in text, text
 
 
 def test_a_bad_exit_grace_fails_at_import():

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import WAIT
+from conftest import WAIT, run_script
 
 import async_array as aa
 from async_array import _core
@@ -610,3 +610,26 @@ def test_a_200_with_the_whole_file_answers_a_range_that_covers_it(server, tmp_pa
     safetensors.numpy.save_file(small, str(tmp_path / "small.safetensors"))
     server.whole_as_200 = True  # the header read asks for 64 KiB: all of this file
     check(aa.materialize(aa.load_safetensors(server.url("small.safetensors")), WAIT), small)
+
+
+# -- interpreter exit during a download ------------------------------------------------
+
+
+def test_exit_during_a_download_abandons_it_at_once(server, weights):
+    # The server trickles a byte every 0.05 s: the download would take days,
+    # and exit used to wait for it for its whole grace (an hour here).
+    server.slow = 0.05
+    code = f"""
+        import threading
+        import async_array as aa
+        started = threading.Event()
+        def progress(done, total):
+            started.set()
+        tree = aa.load_safetensors({server.url("model.safetensors")!r}, progress=progress)
+        assert started.wait(60), "no read started"
+        print("exiting", flush=True)
+    """
+    proc = run_script(code, env={"ASYNC_ARRAY_EXIT_GRACE": "3600"}, timeout=WAIT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "exiting\n"
+    assert "exit waits" not in proc.stderr, proc.stderr

@@ -8,6 +8,7 @@ import contextlib
 import gc
 import operator
 import os
+import signal
 import sys
 import threading
 import time
@@ -206,6 +207,20 @@ exit_hooks: list[Callable[[], None]] = []
 
 
 def _at_exit() -> None:
+    try:
+        _wait_at_exit()
+    except KeyboardInterrupt:
+        # A Ctrl-C during the wait: leave now, without a traceback and without
+        # JAX's own exit hook, which would crash under the tasks still inside it.
+        print(
+            "async_array: exit interrupted; leaving without waiting for the pool's tasks",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(128 + signal.SIGINT)
+
+
+def _wait_at_exit() -> None:
     grace = exit_grace()
     deadline = time.monotonic() + grace
     _core.shutdown()  # queued tasks are cancelled
