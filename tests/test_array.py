@@ -1,4 +1,4 @@
-"""AsyncArray: what never blocks, what waits, and the future-like API (DESIGN.md section 2)."""
+"""AsyncArray: what never blocks, what waits, and the future-like API."""
 
 import asyncio
 import concurrent.futures

@@ -1,4 +1,4 @@
-"""Reliability under faults (issue 15): nothing leaks, nothing hangs without a
+"""Reliability under faults: nothing leaks, nothing hangs without a
 way out, every failure names its cause."""
 
 from __future__ import annotations

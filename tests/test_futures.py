@@ -1,4 +1,4 @@
-"""Leaves with the standard futures tools (issue 14): ``AsyncArray.future()``,
+"""Leaves with the standard futures tools: ``AsyncArray.future()``,
 ``aa.future(tree)``, ``await``, and the behaviour of ``concurrent.futures``
 and ``jax.Array`` where the two meet (modelled on CPython's own future tests)."""
 
@@ -397,7 +397,7 @@ def test_a_timeout_message_names_the_failures_already_known():
     slow = Gate(np.ones(3, F32))
     bad = aa.async_wrap(lambda: None, shape=(3,), dtype=F32)
     bad.exception(timeout=WAIT)
-    error = aa._tree.not_ready("aa.materialize", [slow.leaf(), bad], 0.0)
+    error = aa._waits.not_ready("aa.materialize", [slow.leaf(), bad], 0.0)
     assert re.fullmatch(
         r"aa.materialize: 1 leaf not ready after 0.0 s \(the first: async_wrap\(.*Gate.*\) "
         r"result\); already failed: async_wrap\(.*<lambda>\) result: TypeError: .*got NoneType",

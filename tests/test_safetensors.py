@@ -131,14 +131,14 @@ def test_file_url_and_zero_copy(tmp_path, monkeypatch):
     path = tmp_path / "m.safetensors"
     safetensors.numpy.save_file({"a": want, "b": want[:3]}, str(path))
     addresses = {}
-    convert = _safetensors.convert_one
+    convert = _safetensors._read.convert_one
 
     def recording(specs, i, value):
         if isinstance(value, aa.HostBuffer):
             addresses[i] = value.address
         return convert(specs, i, value)
 
-    monkeypatch.setattr(_safetensors, "convert_one", recording)
+    monkeypatch.setattr(_safetensors._read, "convert_one", recording)
     tree = aa.load_safetensors(f"file://{path}")
     arrays = aa.materialize(tree, timeout=30)
     np.testing.assert_array_equal(np.asarray(arrays["a"]), want)
@@ -275,14 +275,14 @@ def after_each_pump(monkeypatch, field: str) -> list[int]:
     """Patches the load's ``pump`` to append ``field`` of the load (read
     under its lock) after each call; returns that list."""
     seen: list[int] = []
-    pump = _safetensors._Load.pump
+    pump = _safetensors._plan.Load.pump
 
     def watched(self):
         pump(self)
         with self.lock:
             seen.append(getattr(self, field))
 
-    monkeypatch.setattr(_safetensors._Load, "pump", watched)
+    monkeypatch.setattr(_safetensors._plan.Load, "pump", watched)
     return seen
 
 
@@ -308,7 +308,7 @@ def test_reads_of_a_local_file_run_on_one_core_fewer_than_there_are(tmp_path, mo
     path = tmp_path / "m.safetensors"
     safetensors.numpy.save_file(arrays, str(path))
     peaks = after_each_pump(monkeypatch, "local_jobs")
-    monkeypatch.setattr(_safetensors, "_local_readers", lambda: 2)
+    monkeypatch.setattr(_safetensors._plan, "local_readers", lambda: 2)
     aa.configure(max_workers=6)
     try:
         got = aa.materialize(aa.load_safetensors(path), timeout=30)
@@ -320,10 +320,10 @@ def test_reads_of_a_local_file_run_on_one_core_fewer_than_there_are(tmp_path, mo
 
 
 def test_local_readers_leave_a_core_but_never_go_below_one(monkeypatch):
-    monkeypatch.setattr(_safetensors.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    assert _safetensors._local_readers() == 3
-    monkeypatch.setattr(_safetensors.os, "sched_getaffinity", lambda pid: {0})
-    assert _safetensors._local_readers() == 1
+    monkeypatch.setattr(_safetensors._plan.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert _safetensors._plan.local_readers() == 3
+    monkeypatch.setattr(_safetensors._plan.os, "sched_getaffinity", lambda pid: {0})
+    assert _safetensors._plan.local_readers() == 1
 
 
 def test_a_tensor_larger_than_the_budget_still_loads_alone(tmp_path):

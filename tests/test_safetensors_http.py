@@ -234,7 +234,7 @@ def test_reads_wait_without_the_gil(server, weights):
 
 
 def test_requests_in_flight_stay_bounded_however_many_workers(server, tmp_path, pool_size):
-    # Issue 17: with 208 workers every tensor's request connected at once; the
+    # Once a bug: with 208 workers every tensor's request connected at once; the
     # server's listen backlog dropped most of them, whose connects then waited
     # out TCP's retransmission backoff (28 s of a 3 s load). Without the bound
     # this fails only when a ninth request arrives before the first eight end

@@ -139,7 +139,8 @@ class AsyncArray(jax.Array):
         Never waits."""
         if self._value is None and not self._succeeded():
             return None
-        return self.result().format
+        value: Any = self.result()  # .format: not in JAX's stubs of jax.Array
+        return value.format
 
     def _succeeded(self) -> bool:
         source = self._source
@@ -203,7 +204,7 @@ class AsyncArray(jax.Array):
           TypeError: ``timeout`` is not a number nor None.
           TimeoutError: not ready within ``timeout`` seconds.
           concurrent.futures.CancelledError: the task was cancelled.
-          RuntimeError: (``async_array._core.WaitCycleError``) called inside a
+          async_array.WaitCycleError: (a RuntimeError) called inside a
             pool task (an ``async_wrap`` function, say) whose own work this
             leaf waits for, directly or through other tasks: the wait would
             never end. Raised when the wait starts (not for ``timeout=0``),
@@ -233,7 +234,7 @@ class AsyncArray(jax.Array):
           TypeError: ``timeout`` is not a number nor None.
           TimeoutError: not done within ``timeout`` seconds.
           concurrent.futures.CancelledError: the task was cancelled.
-          RuntimeError: (``WaitCycleError``) the wait would never end, as in
+          async_array.WaitCycleError: (a RuntimeError) the wait would never end, as in
             :meth:`result`.
         """
         source = self._source
@@ -339,7 +340,7 @@ class AsyncArray(jax.Array):
 
     def __reversed__(self) -> Iterator[jax.Array]:
         # jax.Array has no __reversed__: reversed() falls back to len and indexing.
-        return reversed(self.result())  # type: ignore[call-overload]
+        return reversed(self.result())
 
     def __hash__(self) -> int:
         raise TypeError(
