@@ -520,3 +520,50 @@ def test_a_files_contents_passed_as_its_source_is_a_short_type_error(tmp_path):
         aa.load_safetensors(path.read_bytes())
     assert len(str(info.value)) < 200
     assert "got bytes of length 400" in str(info.value) and "a file's contents?" in str(info.value)
+
+
+# -- a progress callback that waits on the load's own leaves ---------------------------
+
+
+def test_a_progress_callback_may_wait_on_later_leaves_of_its_load(tmp_path, pool_size):
+    # One read job a tensor (local tensors over 64 KiB are not grouped), and
+    # one worker: the callback's wait must not hold up the reads it waits for.
+    pool_size(1)
+    arrays = {f"t{i}": np.full(40_000, i, np.float32) for i in range(4)}
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(arrays, str(path))
+    seen = []
+    tree = {}
+    returned = threading.Event()
+
+    def progress(done, total):
+        if done and not seen:
+            wait_for(returned, "load_safetensors to return")
+            seen.append(float(tree["t3"].result(timeout=WAIT)[0]))
+
+    tree.update(aa.load_safetensors(path, progress=progress, max_bytes_in_flight=200_000))
+    returned.set()
+    got = aa.materialize(tree, WAIT)
+    assert seen == [3.0]
+    np.testing.assert_array_equal(got["t2"], arrays["t2"])
+
+
+def test_a_progress_callback_waiting_on_a_leaf_its_own_read_makes_gets_a_cycle_error(tmp_path):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.ones(4, np.float32)}, str(path))
+    errors = []
+    tree = {}
+    returned = threading.Event()
+
+    def progress(done, total):
+        if done:
+            wait_for(returned, "load_safetensors to return")
+            try:
+                tree["w"].result(timeout=WAIT)
+            except aa.WaitCycleError as exc:
+                errors.append(str(exc))
+
+    tree.update(aa.load_safetensors(path, progress=progress))
+    returned.set()
+    np.testing.assert_array_equal(tree["w"].result(timeout=WAIT), np.ones(4, np.float32))
+    assert len(errors) == 1 and "load_safetensors" in errors[0], errors

@@ -62,7 +62,7 @@ class Load:
         futures: list[_core.Future],
         max_bytes_in_flight: int | None,
         progress: Callable[[int, int], None] | None,
-        run_job: Callable[[Load, Job], None],
+        run_job: Callable[[Load, Job, threading.Event], None],
     ) -> None:
         self.specs = specs
         self.run_job = run_job  # a pool task per job (_read.read_job)
@@ -79,8 +79,13 @@ class Load:
         self.done_bytes = 0
         self.total_bytes = 0
         # Reports go out one at a time and only forward: two reads that end
-        # together on two threads must not report 80 and then 40 bytes.
+        # together on two threads must not report 80 and then 40 bytes. A
+        # report made while another thread's call runs is left for that
+        # thread to deliver, so no read waits for the callback (one that waits
+        # on a leaf would otherwise hold up the read that makes it).
         self.report_lock = threading.Lock()
+        self.reporting = False  # a thread is delivering reports
+        self.latest = (-1, 0)  # the newest (bytes_done, bytes_total) made
         self.reported = -1  # bytes_done last reported; -1: none yet
 
     def fail(self, i: int, exc: BaseException) -> None:
@@ -171,7 +176,8 @@ class Load:
         """Starts the queued jobs that fit in the byte budget (always at
         least one when nothing is in flight, so a tensor larger than the
         budget still loads, alone)."""
-        start = []
+        start: list[tuple[Load, Job, threading.Event]] = []
+        linked = threading.Event()
         with self.lock:
             while self.next_job < len(self.queue):
                 job = self.queue[self.next_job]
@@ -189,19 +195,27 @@ class Load:
                 self.next_job += 1
                 self.in_flight += nbytes
                 self.local_jobs += local
-                start.append((self, job))
+                start.append((self, job, linked))
         if start:
-            _core.submit_many(self.run_job, start)
+            try:
+                tasks = _core.submit_many(self.run_job, start)
+                # Each leaf is made by its job's task: a wait on it from that
+                # task (its progress callback, say) is a cycle, raised as
+                # WaitCycleError. A job reports progress only once `linked`
+                # says this is recorded.
+                for task, (_, job, _) in zip(tasks, start, strict=True):
+                    _core.depends_on([self.futures[r.leaf] for r in job.reads], [task])
+            finally:
+                linked.set()
 
-    def finished(self, nbytes: int, local: bool) -> None:
-        """Counts a job's bytes as handed to JAX and reports progress; the
-        caller then calls :meth:`pump`."""
+    def finished(self, nbytes: int, local: bool) -> tuple[int, int]:
+        """Counts a job's bytes as handed to JAX; returns the progress to
+        report (``bytes_done``, ``bytes_total``) once the caller has pumped."""
         with self.lock:
             self.in_flight -= nbytes
             self.local_jobs -= local
             self.done_bytes += nbytes
-            done, total = self.done_bytes, self.total_bytes
-        self.report(done, total)
+            return self.done_bytes, self.total_bytes
 
     def started(self) -> None:
         """A read job starts: the first reports ``(0, total)``, so that a
@@ -210,14 +224,24 @@ class Load:
             self.report(0, self.total_bytes)
 
     def report(self, done: int, total: int) -> None:
-        if self.progress is None:
+        progress = self.progress
+        if progress is None:
             return
         with self.report_lock:
-            if done <= self.reported:
-                return
-            self.reported = done
+            if done > self.latest[0]:
+                self.latest = (done, total)
+            if self.reporting:
+                return  # the thread delivering reports sends this one too
+            self.reporting = True
+        while True:
+            with self.report_lock:
+                done, total = self.latest
+                if done <= self.reported:
+                    self.reporting = False
+                    return
+                self.reported = done
             try:
-                self.progress(done, total)
+                progress(done, total)
             except Exception:  # the user's callback: logged, and the load goes on
                 _LOG.exception("%s: the progress callback raised", self.specs.name)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import numpy as np
@@ -21,11 +22,12 @@ from ._plan import Job, Load, Read
 FLOAT8 = {"float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz"}
 
 
-def read_job(load: Load, job: Job) -> None:
+def read_job(load: Load, job: Job, linked: threading.Event) -> None:
     """A pool task: reads one job's tensors and shards (GIL released in the
-    core), hands each leaf to JAX, reports progress, then makes the leaves
-    ready (so a leaf is never ready before the progress that counts it), then
-    starts more reads. A leaf fails alone, with the error its own read gave."""
+    core), hands each leaf to JAX, starts more reads, reports progress, then
+    makes the leaves ready (a leaf is ready after the progress that counts it
+    unless another thread's progress call was running then). A leaf fails
+    alone, with the error its own read gave."""
     file = job.file
     specs, futures = load.specs, load.futures
     done: list[tuple[int, Any]] = []
@@ -60,7 +62,10 @@ def read_job(load: Load, job: Job) -> None:
         for r in job.reads:
             done.append((r.leaf, shallow_copy(exc)))
     finally:
-        load.finished(job.nbytes, not file.remote)
+        progress = load.finished(job.nbytes, not file.remote)
+        load.pump()  # before the callback: one that waits on a later leaf must not hold its read
+        linked.wait()  # set by the pumping thread microseconds after the submit
+        load.report(*progress)
         for i, entry in done:
             if futures[i].done():
                 continue
@@ -69,7 +74,6 @@ def read_job(load: Load, job: Job) -> None:
             else:
                 futures[i].set_result([entry])
         del done
-        load.pump()
 
 
 def to_jax(specs: LeafSpecs, r: Read, buffers: list[Any]) -> Any:
