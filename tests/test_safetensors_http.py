@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import WAIT, run_script
+from conftest import WAIT, Gate, run_script, wait_for
 
 import async_array as aa
 from async_array import _core
@@ -633,3 +633,21 @@ def test_exit_during_a_download_abandons_it_at_once(server, weights):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "exiting\n"
     assert "exit waits" not in proc.stderr, proc.stderr
+
+
+def test_cancelled_leaves_are_not_downloaded(server, weights, pool_size):
+    pool_size(1)
+    blocker = Gate(np.zeros(1, np.float32))
+    blocker.leaf()
+    wait_for(blocker.started, "the only worker to be taken")
+    tree = aa.load_safetensors(server.url("model.safetensors"))
+    keep = "small.05"
+    for name, leaf in tree.items():
+        if name != keep:
+            assert leaf.cancel(), name
+    blocker.open()
+    np.testing.assert_array_equal(tree[keep].result(timeout=WAIT), weights[keep])
+    with server.lock:
+        data = [(start, end) for _, start, end in server.requests if start > 0]
+    # Only the kept tensor's 128 bytes were asked for, in one request.
+    assert len(data) == 1 and data[0][1] - data[0][0] == weights[keep].nbytes, data

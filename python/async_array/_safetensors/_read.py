@@ -34,8 +34,9 @@ def read_job(load: Load, job: Job, linked: threading.Event) -> None:
     load.started()
     try:
         reads = job.reads
-        if not file.remote:  # a cancelled leaf is not read (over HTTP: one request anyway)
-            reads = [r for r in reads if not futures[r.leaf].done()]
+        # A cancelled (or already failed) leaf is not read: over HTTP its bytes
+        # leave the request, which is not sent when nothing is left.
+        reads = [r for r in reads if not futures[r.leaf].done()]
         wants: list[tuple[int, DTypeLike, list[tuple[int, int]] | None]] = []
         for r in reads:
             dtype = buffer_dtype(r.np_name)
