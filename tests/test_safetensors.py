@@ -3,12 +3,14 @@ safetensors package, like= checks, malformed headers, the byte budget,
 progress."""
 
 import errno
+import gc
 import json
 import os
 import pathlib
 import re
 import struct
 import threading
+import weakref
 
 import jax
 import ml_dtypes
@@ -567,3 +569,25 @@ def test_a_progress_callback_waiting_on_a_leaf_its_own_read_makes_gets_a_cycle_e
     returned.set()
     np.testing.assert_array_equal(tree["w"].result(timeout=WAIT), np.ones(4, np.float32))
     assert len(errors) == 1 and "load_safetensors" in errors[0], errors
+
+
+def test_the_load_keeps_no_value_of_a_leaf_it_handed_out(tmp_path):
+    arrays = {"a": np.ones(40_000, np.float32), "b": np.zeros(40_000, np.float32)}
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(arrays, str(path))
+    release = threading.Event()
+
+    def progress(done, total):
+        if done == total:  # the last read's report: the load is still running
+            wait_for(release, "the test to let the load end")
+
+    tree = aa.load_safetensors(path, progress=progress, max_bytes_in_flight=160_000)
+    try:
+        value = tree.pop("a").result(timeout=WAIT)
+        gone = weakref.ref(value)
+        del value
+        gc.collect()
+        assert gone() is None  # a streaming consumer's peak is what it holds itself
+    finally:
+        release.set()
+    np.testing.assert_array_equal(tree["b"].result(timeout=WAIT), arrays["b"])

@@ -51,6 +51,12 @@ def local_readers() -> int:
 SingleDevice = jax.sharding.SingleDeviceSharding
 
 
+#: What a load holds in place of a leaf's future once it made the leaf: a
+#: future already done, so every "is it done?" check passes over it.
+RELEASED = _core.Future()
+RELEASED.set_result(None)
+
+
 class Load:
     """One ``load_safetensors`` call: which tensor each leaf reads, the jobs
     still to start, the bytes in flight, progress."""
@@ -67,7 +73,9 @@ class Load:
         self.specs = specs
         self.run_job = run_job  # a pool task per job (_read.read_job)
         self.names = names
-        self.futures = futures
+        # A copy: entries are replaced by RELEASED as leaves are made, so that
+        # the load keeps no leaf's value alive once the leaf is handed out.
+        self.futures = list(futures)
         self.budget = max_bytes_in_flight
         self.progress = progress
         self.lock = threading.Lock()
@@ -90,6 +98,7 @@ class Load:
 
     def fail(self, i: int, exc: BaseException) -> None:
         self.futures[i].set_exception(exc)
+        self.futures[i] = RELEASED
 
     def plan(self, where: dict[str, tuple[Header, int]], sources: str) -> None:
         """Checks every leaf against its file's header (a mismatch fails that
@@ -171,6 +180,7 @@ class Load:
             self.fail(i, exc)
             return
         self.futures[i].set_result([array])
+        self.futures[i] = RELEASED
 
     def pump(self) -> None:
         """Starts the queued jobs that fit in the byte budget (always at

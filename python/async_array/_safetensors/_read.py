@@ -16,7 +16,7 @@ from .._errors import shallow_copy
 from .._per_shard import index_text, shard_host
 from .._runtime import jax_work
 from .._spec import LeafSpecs, numpy_dtype
-from ._plan import Job, Load, Read
+from ._plan import RELEASED, Job, Load, Read
 
 # No DLPack code for these: read as bytes, then one copy viewed as float8.
 FLOAT8 = {"float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz"}
@@ -68,12 +68,13 @@ def read_job(load: Load, job: Job, linked: threading.Event) -> None:
         linked.wait()  # set by the pumping thread microseconds after the submit
         load.report(*progress)
         for i, entry in done:
-            if futures[i].done():
+            fut, futures[i] = futures[i], RELEASED
+            if fut.done():
                 continue
             if isinstance(entry, BaseException):
-                futures[i].set_exception(entry)
+                fut.set_exception(entry)
             else:
-                futures[i].set_result([entry])
+                fut.set_result([entry])
         del done
 
 
