@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
@@ -71,6 +72,11 @@ HOOKS: dict[str, tuple[str, bool]] = {
         False,
     ),
     "distributed.global_state": ("telling other jax.distributed processes of a failure", False),
+    "config.Config": (
+        "a call's thread-local JAX settings (jax.default_device, jax.set_mesh, "
+        "jax.enable_x64, ...) in force on the pool threads that do its work",
+        False,
+    ),
 }
 
 #: Why each hook is not in use, by name; empty when all are.
@@ -266,6 +272,103 @@ _distributed = _find(
     lambda: _module("distributed").global_state,
     lambda g: hasattr(g, "client"),
 )
+
+
+def _thread_local_settings() -> tuple[Callable[[], list[Any]], Any]:
+    """A function listing every thread-local JAX setting, and the value a
+    setting has where no context sets it. JAX's own list: every
+    ``config_ext.Config`` object of ``jax._src.config`` (the mesh contexts
+    among them) and every flag in its ``config_states`` registry."""
+    config = _module("config")
+    ext = config.config_ext
+    kind, unset = ext.Config, ext.unset
+    for method in ("get_local", "swap_local", "set_local"):
+        if not callable(getattr(kind, method, None)):
+            raise AttributeError(f"config_ext.Config has no {method}")
+    registry = config.config_states
+    if not _is_mapping(registry):
+        raise AttributeError("config.config_states is not a mapping")
+    own = [v for v in vars(config).values() if isinstance(v, kind)]
+
+    def settings() -> list[Any]:
+        # Flags defined after this import (by other JAX modules) join the registry.
+        return list({id(v): v for v in [*own, *registry.values()] if isinstance(v, kind)}.values())
+
+    return settings, unset
+
+
+_settings = _find("config.Config", _thread_local_settings)
+_all_settings: list[Any] = []
+_registry_size = -1
+
+
+class JaxContext:
+    """The thread-local JAX settings in force on one thread when it was
+    captured (:func:`thread_context`); ``with context:`` puts them in force
+    on another thread for the block, then restores that thread's own.
+    ``key`` is hashable: calls compiled under different settings must not
+    share a program."""
+
+    __slots__ = ("key", "values")
+
+    def __init__(self, values: tuple[tuple[Any, Any], ...]) -> None:
+        self.values = values
+        key = tuple(
+            (setting.name if hasattr(setting, "name") else id(setting), value)
+            for setting, value in values
+        )
+        try:
+            hash(key)
+        except TypeError:
+            key = tuple((name, id(value)) for name, value in key)
+        self.key = key
+
+    def __enter__(self) -> None:
+        if not self.values:
+            return
+        swapped = []
+        for setting, value in self.values:
+            swapped.append((setting, setting.swap_local(value)))
+            hook = getattr(setting, "_update_thread_local_hook", None)
+            if hook is not None:
+                hook(value)
+        _restore.stack = [*getattr(_restore, "stack", []), swapped]
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.values:
+            return
+        stack = _restore.stack
+        swapped = stack.pop()
+        for setting, previous in reversed(swapped):
+            setting.set_local(previous)
+            hook = getattr(setting, "_update_thread_local_hook", None)
+            if hook is not None:
+                hook(None if previous is _unset else previous)
+
+
+_restore = threading.local()
+_unset: Any = None if _settings is None else _settings[1]
+NO_CONTEXT = JaxContext(())
+
+
+def thread_context() -> JaxContext:
+    """The thread-local JAX settings in force on this thread (``with
+    jax.default_device(...)``, ``jax.set_mesh``, ``jax.enable_x64``,
+    ``jax.default_matmul_precision``, ``jax.numpy_rank_promotion``, and any
+    other), for the pool threads that do this call's work. About 10 µs."""
+    global _all_settings, _registry_size
+    if _settings is None:
+        return NO_CONTEXT
+    listing, unset = _settings
+    size = len(_module("config").config_states)
+    if size != _registry_size:
+        _all_settings, _registry_size = listing(), size
+    values = []
+    for setting in _all_settings:
+        value = setting.get_local()
+        if value is not unset:
+            values.append((setting, value))
+    return JaxContext(tuple(values)) if values else NO_CONTEXT
 
 
 def distributed_client() -> Any:

@@ -170,13 +170,13 @@ class _Compile:
 
     __slots__ = ("_lock", "_waiters", "future", "jaxpr")
 
-    def __init__(self, traced: Any) -> None:
+    def __init__(self, traced: Any, context: _jax_hooks.JaxContext) -> None:
         self.jaxpr = traced.jaxpr  # the table's key holds its id: keep it alive meanwhile
         self._lock = threading.Lock()
         self._waiters: list[Callable[[], None]] | None = []
         jax_work.enter()
         try:
-            self.future = _core.submit_urgent(_compile, traced)  # never behind loads
+            self.future = _core.submit_urgent(_compile, traced, context)  # never behind loads
         except BaseException:
             jax_work.leave()
             raise
@@ -212,8 +212,8 @@ class _Compile:
             jax_work.leave()  # the waiters (their inputs) are freed by now
 
 
-def _compile(traced: Any) -> Any:
-    with frames_freed:
+def _compile(traced: Any, context: _jax_hooks.JaxContext) -> Any:
+    with frames_freed, context:  # the caller's settings: default device, mesh, precision...
         return traced.lower().compile()
 
 
@@ -225,6 +225,7 @@ class _Call:
         "_in_paths",
         "_out_paths",
         "compiling",
+        "context",
         "dyn_pos",
         "in_tree",
         "launched",
@@ -249,6 +250,8 @@ class _Call:
         leaves: list[Any],
     ) -> None:
         self.owner = owner
+        # The caller's thread-local JAX settings, for the compile and the run on the pool.
+        self.context = _jax_hooks.thread_context()
         self.dyn_pos = dyn_pos
         self.in_tree = in_tree  # of (dynamic positional args, dynamic keyword args)
         self.specs = specs
@@ -393,7 +396,8 @@ def _execute_in_order(call: _Call) -> None:
             out.set_exception(exc)
             return
     try:
-        result = _run(compiled, call.in_tree, values)
+        with call.context:
+            result = _run(compiled, call.in_tree, values)
     except BaseException as exc:
         free_frames(exc)
         exc.add_note(f"async_array: raised while running {name}")
@@ -540,7 +544,7 @@ class JitFunction:
         call.out_tree = traced.out_tree
         call.out_avals = traced.out_tree.flatten_up_to(traced.out_avals)
         declared = self._declared_shardings(traced, call.out_avals)
-        call.compiling = self._compiling_for(traced, call.specs)
+        call.compiling = self._compiling_for(traced, call.specs, call.context)
         del traced
         call.out_shardings = self._out_shardings(call, declared)
         return self._dispatch(call)
@@ -612,7 +616,9 @@ class JitFunction:
             return [None] * len(out_avals)
         return [o.sharding for o in traced.out_tree.flatten_up_to(traced.out_info)]
 
-    def _compiling_for(self, traced: Any, specs: tuple[tuple[Any, ...], ...]) -> _Compile:
+    def _compiling_for(
+        self, traced: Any, specs: tuple[tuple[Any, ...], ...], context: _jax_hooks.JaxContext
+    ) -> _Compile:
         """The compilation of ``traced``: the one still running for the same
         program, or a new task on the pool.
 
@@ -621,12 +627,12 @@ class JitFunction:
         settings) on the same input shardings. A finished compilation leaves
         the table: the next call's task gets the program from JAX's caches.
         """
-        key = (id(traced.jaxpr), specs)
+        key = (id(traced.jaxpr), specs, context.key)
         with self._lock:
             running = self._compiling.get(key)
             if running is not None:
                 return running
-            running = self._compiling[key] = _Compile(traced)
+            running = self._compiling[key] = _Compile(traced, context)
         running.on_done(functools.partial(self._compiled, key, running))
         running.watch()
         return running

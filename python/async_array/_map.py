@@ -25,7 +25,7 @@ _keystr = jax.tree_util.keystr
 def _run_leaf(fn: Callable[[Any, Any], Any], path: Any, spec: Any, specs: LeafSpecs, i: int):
     with frames_freed:
         value = fn(path, spec)
-    with jax_work:
+    with jax_work, specs.context:
         return [convert_one(specs, i, value)]
 
 
@@ -157,7 +157,7 @@ def _drive_stream(
                 unknown.append(text)
                 _LOG.error("%s: yielded key path %s, which like does not have", specs.name, text)
                 continue
-            with jax_work:
+            with jax_work, specs.context:
                 entry = convert_one(specs, i, value)
             del value
             if not futures[i].set_result([entry]):

@@ -181,7 +181,7 @@ def _run_shard(fn: Callable[..., Any], state: _LeafShards, k: int) -> None:
         _fail(state, k, exc)
         return
     try:
-        with jax_work:
+        with jax_work, state.specs.context:
             aval = state.specs.avals[state.leaf]
             host = shard_host(value, state.layout.shapes[k], aval.dtype, "")
     except Exception as exc:
@@ -198,7 +198,7 @@ def _run_shard(fn: Callable[..., Any], state: _LeafShards, k: int) -> None:
     if not last:
         return
     try:
-        with jax_work:
+        with jax_work, state.specs.context:
             array = state.assemble()
     except BaseException as exc:
         exc.add_note(f"async_array: while placing {state.specs.where(state.leaf)}")

@@ -326,10 +326,13 @@ class LeafSpecs:
     costs several microseconds a leaf).
     """
 
-    __slots__ = ("_paths", "avals", "committed", "like", "name", "shardings", "treedef")
+    __slots__ = ("_paths", "avals", "committed", "context", "like", "name", "shardings", "treedef")
 
     def __init__(self, name: str, like: Any, treedef: Any, paths: list[Any] | None = None):
         self.name = name
+        # The caller's thread-local JAX settings, for the pool threads that
+        # hand this call's leaves to JAX (``with jax_work, specs.context:``).
+        self.context = _jax_hooks.thread_context()
         self.like = like
         self.treedef = treedef  # None: a single leaf given by shape= and dtype=
         self._paths = paths  # JAX key paths, when the caller already has them

@@ -17,7 +17,7 @@ from ._spec import LeafSpecs, declare, qualname
 def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
     with frames_freed:
         holder = [f()]
-    with jax_work, paused_gc():
+    with jax_work, specs.context, paused_gc():
         return convert_results(specs, holder)
 
 

@@ -172,7 +172,7 @@ class Load:
     def place_nothing(self, i: int, read: Read) -> None:
         specs = self.specs
         try:
-            with jax_work:
+            with jax_work, specs.context:
                 array = _handoff.put_shards(
                     [], [], specs.avals[i], specs.shardings[i], specs.committed[i], True
                 )

@@ -55,7 +55,7 @@ def read_job(load: Load, job: Job, linked: threading.Event) -> None:
             if failed is not None:
                 done.append((r.leaf, failed))
                 continue
-            with jax_work:
+            with jax_work, specs.context:
                 done.append((r.leaf, to_jax(specs, r, mine)))
             del mine
         del results
