@@ -72,6 +72,10 @@ HOOKS: dict[str, tuple[str, bool]] = {
         False,
     ),
     "distributed.global_state": ("telling other jax.distributed processes of a failure", False),
+    "core.update_aval_with_sharding": (
+        "a leaf's aval carries its sharding (mesh, spec, axis types), as a jax.Array's does",
+        False,
+    ),
     "config.Config": (
         "a call's thread-local JAX settings (jax.default_device, jax.set_mesh, "
         "jax.enable_x64, ...) in force on the pool threads that do its work",
@@ -469,6 +473,20 @@ def array_type() -> type:
     forwards, without starting a backend (making an array would, and would fix
     the platform at import); the abstract ``jax.Array`` where it is missing."""
     return ArrayImpl if ArrayImpl is not None else jax.Array
+
+
+_update_aval = _find(
+    "core.update_aval_with_sharding",
+    lambda: _module("core").update_aval_with_sharding,
+    lambda f: takes(f, 2),
+)
+
+
+def aval_with_sharding(aval: Any, sharding: Any) -> Any:
+    """``aval`` as JAX types an array of ``sharding`` (JAX's
+    ``update_aval_with_sharding``: a ``NamedSharding`` puts its mesh and spec
+    in the type, ``float32[8@x,2]``); ``aval`` itself where the hook is missing."""
+    return aval if _update_aval is None else _update_aval(aval, sharding)
 
 
 def shaped_array(shape: tuple[int, ...], dtype: np.dtype) -> Any:

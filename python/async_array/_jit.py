@@ -689,7 +689,14 @@ class JitFunction:
         """The output leaves of one call; the program runs once the
         compilation and every pending input are done."""
         source = Source(call.out, self._name, len(call.out_avals), call.out_path)
-        outputs = source_leaves(source, call.out_avals, call.out_shardings)
+        # An output's NamedSharding is part of its type, as in the jax.Array it becomes.
+        avals = [
+            _jax_hooks.aval_with_sharding(aval, s)
+            if type(s) is jax.sharding.NamedSharding
+            else aval
+            for aval, s in zip(call.out_avals, call.out_shardings, strict=True)
+        ]
+        outputs = source_leaves(source, avals, call.out_shardings)
         compiling = call.compiling
         assert compiling is not None and call.leaves is not None
         spans = any(

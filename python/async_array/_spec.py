@@ -348,6 +348,17 @@ class LeafSpecs:
             default = default_sharding()  # read once, at the call
             shardings = [default if s is None else s for s in shardings]
         self.shardings = shardings
+        # A NamedSharding is part of the type, as JAX puts it in a jax.Array's
+        # aval: jax.typeof(leaf) is then float32[8@x,2], and tracing sees the mesh.
+        avals = self.avals
+        typed: dict[tuple[Any, int], Any] = {}
+        for i, s in enumerate(shardings):
+            if type(s) is jax.sharding.NamedSharding:
+                key = (avals[i], id(s))
+                aval = typed.get(key)
+                if aval is None:
+                    aval = typed[key] = _jax_hooks.aval_with_sharding(avals[i], s)
+                avals[i] = aval
 
     def key_path(self, index: int) -> str:
         if self.treedef is None:
