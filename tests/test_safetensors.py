@@ -9,6 +9,7 @@ import os
 import pathlib
 import re
 import struct
+import sys
 import threading
 import weakref
 
@@ -19,6 +20,8 @@ import pytest
 import safetensors
 import safetensors.numpy
 from conftest import WAIT, Gate, wait_for
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors import _safetensors_rust as st_rust
 
 import async_array as aa
@@ -591,3 +594,63 @@ def test_the_load_keeps_no_value_of_a_leaf_it_handed_out(tmp_path):
     finally:
         release.set()
     np.testing.assert_array_equal(tree["b"].result(timeout=WAIT), arrays["b"])
+
+
+# -- what a first-time user reaches for ------------------------------------------------
+
+
+def test_the_result_is_in_the_files_order(tmp_path):
+    path = tmp_path / "m.safetensors"
+    write_raw(path, {"z": entry(offsets=(0, 8)), "a": entry(offsets=(8, 16))}, D8 + D8)
+    assert list(aa.load_safetensors(path)) == ["z", "a"]  # by offset, not sorted by name
+
+
+def test_sharding_as_a_rule_shards_axis_0_where_it_divides(tmp_path):
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    arrays = {"even": np.arange(8, dtype=np.float32).reshape(4, 2), "odd": np.ones(3, np.int32)}
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(arrays, str(path))
+    calls = []
+
+    def rule(name, shape, dtype):
+        calls.append((name, shape, dtype))
+        return NamedSharding(mesh, P("x")) if shape[0] % 2 == 0 else None
+
+    tree = aa.load_safetensors(path, sharding=rule)
+    assert sorted(calls) == [
+        ("even", (4, 2), np.dtype(np.float32)),
+        ("odd", (3,), np.dtype(np.int32)),
+    ]
+    got = aa.materialize(tree, WAIT)
+    assert got["even"].sharding == NamedSharding(mesh, P("x"))
+    assert not tree["odd"].committed  # None: the default placement
+    for name, value in arrays.items():
+        np.testing.assert_array_equal(got[name], value)
+
+
+def test_a_rule_that_raises_names_the_tensor(tmp_path):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.ones(2, np.float32)}, str(path))
+
+    def rule(name, shape, dtype):
+        raise RuntimeError("no mesh for this one")
+
+    with pytest.raises(RuntimeError, match="no mesh") as info:
+        aa.load_safetensors(path, sharding=rule)
+    assert "load_safetensors: raised by sharding('w', (2,), float32)" in info.value.__notes__
+
+
+def test_a_sharding_dict_missing_tensors_names_them(tmp_path):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({k: np.ones(2, np.float32) for k in "abc"}, str(path))
+    with pytest.raises(ValueError, match=r"sharding has no entry for 'b', 'c' \(None places"):
+        aa.load_safetensors(path, sharding={"a": jax.devices()[0]})
+
+
+def test_progress_true_without_tqdm_prints_a_plain_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm then raises ImportError
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.zeros(2_000_000, np.uint8)}, str(path))
+    aa.materialize(aa.load_safetensors(path, progress=True), timeout=WAIT)
+    err = capsys.readouterr().err
+    assert err.endswith("\rload_safetensors: 100% of 2.0 MB\n"), repr(err)

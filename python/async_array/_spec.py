@@ -311,12 +311,29 @@ def _broadcast_shardings(sharding: Any, like: Any, n: int, where: str) -> list[A
     try:
         subtrees = structure.flatten_up_to(like)
     except ValueError as exc:
+        if isinstance(sharding, dict) and isinstance(like, dict):
+            # JAX's own message reads backwards here; name the keys instead.
+            missing = [k for k in like if k not in sharding]
+            extra = [k for k in sharding if k not in like]
+            said = []
+            if missing:
+                said.append(f"no entry for {_some(missing)} (None places one by default)")
+            if extra:
+                said.append(f"entries for {_some(extra)}, which like does not have")
+            if said:
+                raise ValueError(f"{where}: sharding has {'; and '.join(said)}") from None
         raise ValueError(f"{where}: sharding is not a pytree prefix of like: {exc}") from None
     out: list[Any] = []
     for s, sub in zip(prefix, subtrees, strict=True):
         count: int = jax.tree_util.tree_structure(sub).num_leaves  # type: ignore[attr-defined]
         out.extend([placement(s, where)] * count)
     return out
+
+
+def _some(keys: list[Any]) -> str:
+    """Up to five keys, repr'd, and how many more."""
+    shown = ", ".join(repr(k) for k in keys[:5])
+    return shown + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
 class LeafSpecs:

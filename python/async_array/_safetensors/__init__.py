@@ -95,7 +95,11 @@ def load_safetensors(
         ``like``); a placement is a ``NamedSharding`` (sharded, partially
         replicated or replicated), a ``SingleDeviceSharding``, a
         ``jax.Device``, or a ``PartitionSpec`` under ``jax.set_mesh``. A
-        ``like`` leaf's own ``.sharding`` is used where this is None. Each
+        ``like`` leaf's own ``.sharding`` is used where this is None. Or a
+        callable ``sharding(name, shape, dtype) -> placement or None`` (the
+        tensor's name, shape tuple and numpy dtype; None: the default
+        placement), called once per tensor at the call, before any read
+        ("shard axis 0 where it divides" without knowing the names). Each
         tensor is read once per distinct index among this process's devices
         (a replica is read once and placed on every local device holding
         it); under ``jax.distributed`` each process reads only its shards
@@ -117,7 +121,8 @@ def load_safetensors(
         5 s), or after the ``Retry-After`` of a 429 or 503 (seconds or an HTTP
         date; one beyond ``timeout`` fails at once).
       progress: False; True for one ``tqdm`` progress bar on stderr (bytes,
-        MB/s, ETA; nothing when ``tqdm`` is not installed); or a callable,
+        MB/s, ETA; without ``tqdm``, one plain line there, rewritten at each
+        percent); or a callable,
         called on a pool thread as ``progress(bytes_done, bytes_total)``: once
         with 0 as the first read starts, then after each read, one call at a
         time and ``bytes_done`` always growing. ``bytes_total`` counts the
@@ -192,6 +197,7 @@ def load_safetensors(
     retries = _retries(retries)
     callback = progress_callback(progress)
     name = f"{NAME}({source!r})"
+    file_order = like is None
     if like is None:
         # On the pool, waited for here: Ctrl-C interrupts the wait.
         where = _core.submit(open_all, source, timeout, retries).result()
@@ -204,6 +210,8 @@ def load_safetensors(
         }
     else:
         where = None
+    if callable(sharding):
+        sharding = _sharding_by_rule(sharding, like)
     with paused_gc():
         specs, paths, _ = specs_and_paths(name, like, sharding)
         names = [tensor_name(p) for p in paths]
@@ -218,7 +226,26 @@ def load_safetensors(
         else:
             opener = _core.submit(_open_and_plan, load, source, timeout, retries)
             opener.add_done_callback(lambda f: fail_all_if_failed(f, futures))
-        return specs.treedef.unflatten(leaves)
+        tree = specs.treedef.unflatten(leaves)
+        # A pytree's dict comes back sorted by key: give the files' order.
+        return {tensor: tree[tensor] for tensor in like} if file_order else tree
+
+
+def _sharding_by_rule(rule: Callable[..., Any], like: Any) -> Any:
+    """``sharding=`` given as ``rule(name, shape, dtype) -> placement or
+    None``: one placement per tensor, called once each, at the call."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+    structure: Any = treedef  # a PyTreeDef, which JAX's stubs leave untyped
+    placements = []
+    for path, spec in flat:
+        tensor = tensor_name(path)
+        shape, dtype = tuple(spec.shape), np.dtype(spec.dtype)
+        try:
+            placements.append(rule(tensor, shape, dtype))
+        except Exception as exc:
+            exc.add_note(f"{NAME}: raised by sharding({tensor!r}, {shape}, {dtype})")
+            raise
+    return structure.unflatten(placements)
 
 
 def _positive_int_or_none(value: Any, arg: str) -> int | None:

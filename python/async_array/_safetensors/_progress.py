@@ -1,4 +1,5 @@
-"""``progress=``: a caller's callable, or one tqdm bar on stderr."""
+"""``progress=``: a caller's callable, one tqdm bar on stderr, or (without
+tqdm) a plain progress line there."""
 
 from __future__ import annotations
 
@@ -39,6 +40,25 @@ class Bar:
                 self.bar.close()
 
 
+class Line:
+    """``progress=True`` without tqdm: one line on stderr, rewritten in place
+    (``\r``) at each whole percent, ended with a newline at 100 %."""
+
+    def __init__(self) -> None:
+        self.shown = -1  # percent last written
+        self.lock = threading.Lock()
+
+    def __call__(self, done: int, total: int) -> None:
+        percent = 100 if total <= 0 else done * 100 // total
+        with self.lock:
+            if percent <= self.shown:
+                return
+            self.shown = percent
+            end = "\n" if percent >= 100 else ""
+            sys.stderr.write(f"\r{NAME}: {percent:3d}% of {total / 1e6:.1f} MB{end}")
+            sys.stderr.flush()
+
+
 def progress_callback(progress: Any) -> Callable[[int, int], None] | None:
     if progress is False or progress is None:
         return None
@@ -46,7 +66,7 @@ def progress_callback(progress: Any) -> Callable[[int, int], None] | None:
         try:
             from tqdm import tqdm  # optional: imported only when asked for
         except ImportError:
-            return None
+            return Line()
         return Bar(tqdm)
     if callable(progress):
         return progress
