@@ -654,3 +654,24 @@ def test_progress_true_without_tqdm_prints_a_plain_line(tmp_path, capsys, monkey
     aa.materialize(aa.load_safetensors(path, progress=True), timeout=WAIT)
     err = capsys.readouterr().err
     assert err.endswith("\rload_safetensors: 100% of 2.0 MB\n"), repr(err)
+
+
+def test_index_and_url_errors_start_with_the_call(tmp_path):
+    index = tmp_path / "model.safetensors.index.json"
+    cases = {
+        "{nope": "the index is not valid JSON",
+        '{"weight_map": 3}': 'an index needs a "weight_map" object',
+        '{"weight_map": {"w": "../x.safetensors"}}': "is not a file name",
+    }
+    for text, message in cases.items():
+        index.write_text(text)
+        with pytest.raises(ValueError) as info:
+            aa.load_safetensors(index)
+        assert str(info.value).startswith(f"load_safetensors: {index}: "), str(info.value)
+        assert message in str(info.value)
+    with pytest.raises(FileNotFoundError) as missing:
+        aa.load_safetensors(tmp_path / "gone.index.json")
+    assert str(missing.value.strerror).startswith("load_safetensors: ")
+    assert missing.value.errno == errno.ENOENT
+    with pytest.raises(ValueError, match=r"^load_safetensors: http://\[::1/model.safetensors: not a valid URL \(Invalid IPv6"):
+        aa.load_safetensors("http://[::1/model.safetensors")

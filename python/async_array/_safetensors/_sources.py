@@ -40,7 +40,10 @@ def source_text(source: Any) -> str:
         )
     if "://" not in source:
         return regular_or_missing(source)
-    url = urllib.parse.urlsplit(source)
+    try:
+        url = urllib.parse.urlsplit(source)
+    except ValueError as exc:  # "Invalid IPv6 URL", say
+        raise ValueError(f"{NAME}: {source}: not a valid URL ({exc})") from None
     if url.scheme == "file":
         if url.netloc not in ("", "localhost"):
             raise ValueError(f"{NAME}: {source}: a file:// URL must name a local file")
@@ -77,32 +80,39 @@ def read_index(source: str, timeout: float | None, retries: int) -> dict[str, st
     if is_url(source):
         data, size = _core.read_url_prefix(source, MAX_INDEX, timeout=timeout, retries=retries)
         if size > len(data):
-            raise ValueError(f"{source}: an index of {size} bytes is over the {MAX_INDEX} limit")
+            raise ValueError(
+                f"{NAME}: {source}: an index of {size} bytes is over the {MAX_INDEX} limit"
+            )
         base = source
         join: Callable[[str, str], str] = urllib.parse.urljoin
     else:
-        with open(source, "rb") as f:
-            data = f.read(MAX_INDEX + 1)
+        try:
+            with open(source, "rb") as f:
+                data = f.read(MAX_INDEX + 1)
+        except OSError as exc:  # as open() raises it, named for the call
+            raise type(exc)(exc.errno, f"{NAME}: {exc.strerror}", source) from None
         if len(data) > MAX_INDEX:
-            raise ValueError(f"{source}: an index over {MAX_INDEX} bytes")
+            raise ValueError(f"{NAME}: {source}: an index over {MAX_INDEX} bytes")
         base = os.path.dirname(source)
         join = os.path.join
     try:
         index = json.loads(data)
     except ValueError as exc:
-        raise ValueError(f"{source}: the index is not valid JSON: {exc}") from None
+        raise ValueError(f"{NAME}: {source}: the index is not valid JSON: {exc}") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise ValueError(
-            f'{source}: an index needs a "weight_map" object of tensor name -> file name'
+            f'{NAME}: {source}: an index needs a "weight_map" object of tensor name -> file name'
         )
     files: dict[str, str] = {}
     out = {}
     for name, file in weight_map.items():
         if "/" in file or "\\" in file or file in ("", ".", ".."):
-            raise ValueError(f"{source}: weight_map[{name!r}] = {file!r} is not a file name")
+            raise ValueError(
+                f"{NAME}: {source}: weight_map[{name!r}] = {file!r} is not a file name"
+            )
         out[name] = files.setdefault(file, join(base, file))
     return out
 
@@ -210,6 +220,8 @@ def open_all(
         header = headers[file]
         t = header.index.get(name)
         if t is None:
-            raise KeyError(f"{source}: the index puts tensor {name!r} in {file}, which lacks it")
+            raise KeyError(
+                f"{NAME}: {source}: the index puts tensor {name!r} in {file}, which lacks it"
+            )
         where[name] = (header, t)
     return where
