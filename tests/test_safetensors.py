@@ -673,5 +673,6 @@ def test_index_and_url_errors_start_with_the_call(tmp_path):
         aa.load_safetensors(tmp_path / "gone.index.json")
     assert str(missing.value.strerror).startswith("load_safetensors: ")
     assert missing.value.errno == errno.ENOENT
-    with pytest.raises(ValueError, match=r"^load_safetensors: http://\[::1/model.safetensors: not a valid URL \(Invalid IPv6"):
+    bad_url = r"^load_safetensors: http://\[::1/model.safetensors: not a valid URL \(Invalid IPv6"
+    with pytest.raises(ValueError, match=bad_url):
         aa.load_safetensors("http://[::1/model.safetensors")
