@@ -1,22 +1,39 @@
 //! async_array's Rust core: the worker pool, futures, waits, aligned host
 //! buffers and DLPack export. This file only wires the Python module.
 
+#[path = "interp.rs"]
 pub mod attach;
+#[path = "../../core/src/buffer.rs"]
 pub mod buffer;
+#[path = "../../core/src/future/cycle.rs"]
 pub mod cycle;
+#[path = "../../core/src/dlpack.rs"]
 pub mod dlpack;
+#[path = "error.rs"]
 pub mod error;
+#[path = "../../core/src/future/mod.rs"]
 pub mod future;
+#[path = "host_buffer.rs"]
 pub mod hostbuffer;
+#[path = "../../core/src/safetensors/http.rs"]
 pub mod http;
+#[path = "../../core/src/sync.rs"]
 pub mod locks;
+#[path = "../../core/src/pool.rs"]
 pub mod pool;
+#[path = "future.rs"]
 pub mod pyfuture;
+#[path = "../../core/src/safetensors/plan.rs"]
 pub mod readplan;
+#[path = "runtime.rs"]
 pub mod runtime;
+#[path = "../../core/src/safetensors/mod.rs"]
 pub mod safetensors;
+#[path = "safetensors.rs"]
 pub mod stfile;
+#[path = "task.rs"]
 pub mod task;
+#[path = "../../core/src/time.rs"]
 pub mod wait;
 
 use pyo3::prelude::*;
