@@ -155,8 +155,8 @@ class _Header:
         self.file = file
         self.index: dict[str, int] = {}
         self.entries = file.tensors
-        for i, (name, *_rest) in enumerate(self.entries):
-            self.index[name] = i
+        for i, entry in enumerate(self.entries):
+            self.index[entry.name] = i
 
 
 class _Load:
@@ -211,7 +211,9 @@ class _Load:
                 )
                 continue
             header, t = found_at
-            _, st_dtype, np_name, shape, start, end = header.entries[t]
+            entry = header.entries[t]
+            st_dtype, np_name, shape = entry.dtype, entry.numpy_dtype, entry.shape
+            start, end = entry.start, entry.end
             aval = specs.avals[i]
             found = _np_dtype(np_name)
             if tuple(shape) != aval.shape or not _dtype_fits(found, aval.dtype):
@@ -241,13 +243,13 @@ class _Load:
                 limit = min(limit, self.budget)
             group: list[tuple[int, int, _Read]] = []
             for t, i, read in leaves:
-                start, end = entries[t][4], entries[t][5]
+                start, end = entries[t].start, entries[t].end
                 joins = (
                     group
                     and read.nbytes <= small
                     and group[0][2].nbytes <= small
-                    and start - entries[group[-1][0]][5] <= _GAP
-                    and end - entries[group[0][0]][4] <= limit
+                    and start - entries[group[-1][0]].end <= _GAP
+                    and end - entries[group[0][0]].start <= limit
                 )
                 if group and not joins:
                     queue.append(_job(header, group))
@@ -720,8 +722,8 @@ def load_safetensors(
         where = _core.submit(_open_all, source, timeout, retries).result()
         like = {
             tensor: jax.ShapeDtypeStruct(
-                tuple(header.entries[t][3]),
-                jax.dtypes.canonicalize_dtype(_np_dtype(header.entries[t][2])),
+                header.entries[t].shape,
+                jax.dtypes.canonicalize_dtype(_np_dtype(header.entries[t].numpy_dtype)),
             )
             for tensor, (header, t) in where.items()
         }

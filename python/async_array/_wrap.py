@@ -22,10 +22,6 @@ def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
         return convert_results(specs, holder)
 
 
-# How a cycle message names the task (see _core.WaitCycleError).
-_run.task_label = lambda f, specs: specs.name  # type: ignore[attr-defined]
-
-
 def _leaves_for(specs: LeafSpecs, future: _core.Future) -> Any:
     """The ``AsyncArray`` leaves of one call, in the shape of ``like``."""
     source = Source(future, specs.name, len(specs.avals), specs.key_path)
@@ -96,4 +92,4 @@ def async_wrap(
         raise TypeError(f"async_wrap: f must be callable, got {type(f).__name__}")
     with paused_gc():
         specs = declare(f"async_wrap({qualname(f)})", shape, dtype, like, sharding)
-        return _leaves_for(specs, _core.submit(_run, f, specs))
+        return _leaves_for(specs, _core.submit(_run, f, specs, label=specs.name))

@@ -1,70 +1,65 @@
-//! async_array's Rust core: the worker pool, futures, waits, aligned host
-//! buffers and DLPack export. This file only wires the Python module.
+//! The PyO3 bindings of async-array-core: the Python module
+//! `async_array._core`. This file only wires the module; each class and
+//! function lives in the file named after what it wraps.
 
-#[path = "interp.rs"]
-pub mod attach;
-#[path = "../../core/src/buffer.rs"]
-pub mod buffer;
-#[path = "../../core/src/future/cycle.rs"]
-pub mod cycle;
-#[path = "../../core/src/dlpack.rs"]
-pub mod dlpack;
-#[path = "error.rs"]
+pub mod current;
 pub mod error;
-#[path = "../../core/src/future/mod.rs"]
 pub mod future;
-#[path = "host_buffer.rs"]
-pub mod hostbuffer;
-#[path = "../../core/src/safetensors/http.rs"]
-pub mod http;
-#[path = "../../core/src/sync.rs"]
-pub mod locks;
-#[path = "../../core/src/pool.rs"]
-pub mod pool;
-#[path = "future.rs"]
-pub mod pyfuture;
-#[path = "../../core/src/safetensors/plan.rs"]
-pub mod readplan;
-#[path = "runtime.rs"]
+pub mod host_buffer;
+pub mod interp;
 pub mod runtime;
-#[path = "../../core/src/safetensors/mod.rs"]
 pub mod safetensors;
-#[path = "safetensors.rs"]
-pub mod stfile;
-#[path = "task.rs"]
 pub mod task;
-#[path = "../../core/src/time.rs"]
-pub mod wait;
+pub mod testing;
 
 use pyo3::prelude::*;
 
-#[pymodule]
-fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("ALIGNMENT", buffer::ALIGN)?;
-    m.add("DLPACK_CPU", dlpack::KDL_CPU)?;
-    m.add_class::<pyfuture::PyFuture>()?;
-    m.add_class::<pyfuture::Watcher>()?;
-    m.add_class::<hostbuffer::HostBuffer>()?;
-    m.add("WaitCycleError", m.py().get_type::<error::WaitCycleError>())?;
-    m.add_class::<stfile::SafetensorsFile>()?;
-    m.add_function(wrap_pyfunction!(task::submit, m)?)?;
-    m.add_function(wrap_pyfunction!(task::submit_many, m)?)?;
-    m.add_function(wrap_pyfunction!(task::submit_urgent, m)?)?;
-    m.add_function(wrap_pyfunction!(task::_submit_rust_panic, m)?)?;
-    m.add_function(wrap_pyfunction!(pyfuture::wait_all, m)?)?;
-    m.add_function(wrap_pyfunction!(pyfuture::wait_all_or_failure, m)?)?;
-    m.add_function(wrap_pyfunction!(pyfuture::depends_on, m)?)?;
-    m.add_function(wrap_pyfunction!(runtime::configure, m)?)?;
-    m.add_function(wrap_pyfunction!(runtime::default_max_workers, m)?)?;
-    m.add_function(wrap_pyfunction!(runtime::pool_stats, m)?)?;
-    m.add_function(wrap_pyfunction!(runtime::shutdown, m)?)?;
-    m.add_function(wrap_pyfunction!(runtime::exiting, m)?)?;
-    m.add_function(wrap_pyfunction!(runtime::wait_for_running_tasks, m)?)?;
-    m.add_function(wrap_pyfunction!(runtime::_after_fork_child, m)?)?;
-    m.add_function(wrap_pyfunction!(hostbuffer::live_host_buffers, m)?)?;
-    m.add_function(wrap_pyfunction!(hostbuffer::huge_pages, m)?)?;
-    m.add_function(wrap_pyfunction!(stfile::read_url_prefix, m)?)?;
-    m.add_function(wrap_pyfunction!(stfile::tensor_bytes_read, m)?)?;
-    Ok(())
+#[pymodule(module = "async_array")]
+mod _core {
+    use pyo3::prelude::*;
+
+    #[pymodule_export]
+    use super::error::WaitCycleError;
+    #[pymodule_export]
+    use super::future::{depends_on, wait_all, wait_all_or_failure, PyFuture, Watcher};
+    #[pymodule_export]
+    use super::host_buffer::{huge_pages, HostBuffer};
+    #[pymodule_export]
+    use super::runtime::{
+        _after_fork_child, configure, default_max_workers, exiting, pool_stats, shutdown,
+        wait_for_running_tasks,
+    };
+    #[pymodule_export]
+    use super::safetensors::{read_url_prefix, SafetensorsFile, TensorInfo};
+    #[pymodule_export]
+    use super::task::{submit, submit_many, submit_urgent};
+
+    /// Alignment in bytes of every `HostBuffer`.
+    #[pymodule_export]
+    const ALIGNMENT: usize = async_array_core::buffer::ALIGN;
+    /// DLPack's device type of host memory.
+    #[pymodule_export]
+    const DLPACK_CPU: i32 = async_array_core::dlpack::KDL_CPU;
+    /// The environment variable that turns huge pages on (`1`) or off (`0`).
+    #[pymodule_export]
+    const HUGE_PAGES_ENV: &str = async_array_core::buffer::HUGE_PAGES_ENV;
+
+    /// Test hooks: not part of the API.
+    #[pymodule]
+    mod _testing {
+        #[pymodule_export]
+        use crate::testing::{_submit_rust_panic, live_host_buffers, tensor_bytes_read};
+    }
+
+    #[pymodule_init]
+    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+        m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        // The test hooks are no export of the module's.
+        m.index()?.call_method1("remove", ("_testing",))?;
+        // So that `import async_array._core._testing` finds the submodule.
+        m.py()
+            .import("sys")?
+            .getattr("modules")?
+            .set_item("async_array._core._testing", m.getattr("_testing")?)
+    }
 }
