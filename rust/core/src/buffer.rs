@@ -10,7 +10,7 @@
 //! reports free pages to the host: there a huge page is most often memory the
 //! host took back, and its first touch faults on the host 4 KiB at a time
 //! (440 MiB in a fresh process: 0.08 to 2.9 s with huge pages, 0.18 to 0.27 s
-//! without, back to back on the 2-core VM of issue 17).
+//! without, back to back on a 2-core VM).
 
 use std::alloc::{self, Layout};
 use std::path::Path;

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 /// host by one file's agent: the reads of one file share them. Unbounded, 208 pool
 /// workers opened 202 connections at once; a server's listen backlog
 /// (Python's `socketserver`: 5) dropped the rest, whose connects then waited
-/// out TCP's retransmission backoff (28 s of a 3 s load, issue 17).
+/// out TCP's retransmission backoff (28 s of a 3 s load).
 pub const POOL_CONNECTIONS: usize = 8;
 
 /// First wait before a retry; doubled at each retry, at most [`MAX_BACKOFF`].
