@@ -1,9 +1,9 @@
 //! Rust benches of the core: `cargo bench --bench core` (add `-- --sample-count 20`
 //! for a short run, as `make bench` does).
 //!
-//! Each group has a plain-Rust twin where one exists: create + complete + wait of one future
-//! (under 1 us), wake-up latency across threads, `wait_all` over 100k futures,
-//! pool submit-to-done throughput by worker count. `benches/run_all.py` reads
+//! Each group has a plain-Rust twin where one exists: create + complete + wait
+//! of one future (under 1 us), wake-up latency across threads, `wait_all` over
+//! 100k futures, pool submit-to-done throughput by worker count. `benches/run_all.py` reads
 //! the medians from divan's table by these names, so rename both together.
 
 use async_array_core::future::waits::wait_all;

@@ -1,7 +1,6 @@
 //! A fixed-size worker pool with a FIFO queue.
 //!
-//! Plain Rust (no pyo3 types). Threads start lazily, up to `max_workers` busy at
-//! once. A worker that blocks on another future (through [`Pool::blocking`])
+//! Threads start lazily, up to `max_workers` busy at once. A worker that blocks on another future (through [`Pool::blocking`])
 //! stops counting as busy, and the pool starts a stand-in thread when work is
 //! queued: so `max_workers = 1` and a task that waits on a queued task cannot
 //! deadlock. Stand-ins retire once the pool is back under its size.

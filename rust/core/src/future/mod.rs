@@ -1,9 +1,8 @@
 //! A one-shot future: pending -> running -> done | failed | cancelled.
 //!
-//! Plain Rust (no pyo3 types) so that it is tested and benchmarked with `cargo`.
 //! The outcome is written once into a `OnceLock`, so reading a finished future
 //! takes no lock; the mutex only guards the callback list and pairs with the
-//! condition variable that waiters sleep on (std's, for `fork`: see `locks`).
+//! condition variable that waiters sleep on (std's, for `fork`: see `sync`).
 
 pub mod cycle;
 pub mod waits;

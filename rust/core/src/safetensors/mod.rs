@@ -1,13 +1,12 @@
 //! The safetensors format: the header parsed and validated completely, and
 //! the byte ranges of its tensors read into 64-byte-aligned memory.
 //!
-//! Plain Rust (no pyo3), tested by `cargo test`. A file is 8 bytes of
-//! little-endian header length `n`, `n` bytes of JSON (an object: tensor name
-//! -> `{"dtype", "shape", "data_offsets": [begin, end]}`, plus an optional
-//! `"__metadata__"` of strings), then the data; offsets count from the end of
-//! the header. Every check here happens before any tensor memory is
-//! allocated, and no allocation exceeds the file's size: a corrupt length
-//! fails with a message, never with an attempt to allocate it.
+//! A file is 8 bytes of little-endian header length `n`, `n` bytes of JSON
+//! (an object: tensor name -> `{"dtype", "shape", "data_offsets": [begin,
+//! end]}`, plus an optional `"__metadata__"` of strings), then the data;
+//! offsets count from the end of the header. Every check here happens before
+//! any tensor memory is allocated, and no allocation exceeds the file's size:
+//! a corrupt length fails with a message, never with an attempt to allocate it.
 
 pub mod http;
 pub mod local;
