@@ -85,12 +85,13 @@ seed: install
 # -- tests -----------------------------------------------------------------------
 
 lint: install
-	@printf '%s\n' "make: lint: cargo fmt, clippy, ruff, stubtest" >&2
+	@printf '%s\n' "make: lint: cargo fmt, clippy, ruff, stubtest, mypy" >&2
 	cargo fmt --check
 	$(CARGO_ENV) cargo clippy --workspace --all-targets -- -D warnings
 	$(PY) -m ruff check python tests benches examples .ci
 	$(PY) -m ruff format --check python tests benches examples .ci
 	$(PY) -m mypy.stubtest async_array._core async_array._core._testing --allowlist .ci/stubtest-allowlist
+	$(PY) -m mypy
 
 # All in the release profile, so they share one build of the dependencies.
 # The core crate runs with no Python on its paths: that is its promise.

@@ -1,4 +1,4 @@
-"""The encoder benchmark of issues 17 and 18: load a BERT-base-sized encoder's
+"""The encoder benchmark: load a BERT-base-sized encoder's
 weights while its forward pass compiles, against what a JAX user would pick instead.
 
 The weights (202 float32 tensors, 110M parameters, 440 MB: BERT-base's
@@ -422,7 +422,7 @@ def _recording_safetensors(run: Run) -> None:
     (its ``address``), to count the leaves JAX took without a copy."""
     from async_array import _safetensors
 
-    convert = _safetensors.convert_one
+    convert = _safetensors._read.convert_one
 
     def recording(specs, i, value):
         address = getattr(value, "address", None)
@@ -430,7 +430,7 @@ def _recording_safetensors(run: Run) -> None:
             run.read_at[f"leaf {i}"] = address
         return convert(specs, i, value)
 
-    _safetensors.convert_one = recording
+    _safetensors._read.convert_one = recording
 
 
 def _load_safetensors_then(run: Run, jit_name: str):

@@ -69,7 +69,7 @@ def spawn(code: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Starts ``code`` in a fresh interpreter, in its own process group (so that
     a hung forked grandchild is killed with it)."""
     full_env = dict(os.environ)
-    full_env.pop(aa._pool.ENV_MAX_WORKERS, None)
+    full_env.pop(aa._runtime.ENV_MAX_WORKERS, None)
     full_env.update(env or {})
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],

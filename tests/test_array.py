@@ -1,12 +1,14 @@
-"""AsyncArray: what never blocks, what waits, and the future-like API (DESIGN.md section 2)."""
+"""AsyncArray: what never blocks, what waits, and the future-like API."""
 
 import asyncio
 import concurrent.futures
 import copy
 import pickle
+import re
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import WAIT, Gate, wait_for
@@ -55,6 +57,27 @@ def test_result_timeout_then_value(gated):
     gate.open()
     np.testing.assert_array_equal(x.result(timeout=10), [0, 1, 2])
     assert x.exception() is None
+
+
+def test_sequence_protocol_and_array_copy_contract_match_jax_array():
+    value = np.arange(6, dtype=F32).reshape(3, 2)
+    x = aa.async_wrap(lambda: value, shape=(3, 2), dtype=F32)
+    y = jnp.asarray(value)
+    assert [r.tolist() for r in reversed(x)] == [r.tolist() for r in reversed(y)]
+    # numpy 2's __array__(dtype, copy): copy=False raises where a copy is
+    # needed, exactly when it does for the jax.Array.
+    for dtype, copies in [(None, None), (None, True), (None, False), (np.int64, None),
+                        (np.int64, True), (np.int64, False)]:  # fmt: skip
+        try:
+            want = y.__array__(dtype, copy=copies)
+        except ValueError as exc:
+            with pytest.raises(ValueError, match=re.escape(str(exc))):
+                x.__array__(dtype, copy=copies)
+        else:
+            got = x.__array__(dtype, copy=copies)
+            np.testing.assert_array_equal(got, want)
+            assert got.dtype == want.dtype
+    assert x.__array__(copy=True) is not x.__array__(copy=True)
 
 
 def test_blocking_uses_return_the_value():

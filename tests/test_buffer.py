@@ -1,4 +1,4 @@
-"""Zero-copy hand-off (issue 4): ``aa.empty`` / ``HostBuffer``, DLPack into JAX,
+"""Zero-copy hand-off: ``aa.empty`` / ``HostBuffer``, DLPack into JAX,
 pointer identity through ``async_wrap``, and the live-buffer count.
 """
 

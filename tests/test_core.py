@@ -1,4 +1,4 @@
-"""The Rust core seen from Python (issue 2): futures, the pool, waits, signals,
+"""The Rust core seen from Python: futures, the pool, waits, signals,
 interpreter exit, fork, and ``aa.configure``.
 
 Every wait here has a timeout: a hang is a failure, not a stuck run. Process
@@ -631,7 +631,7 @@ def test_stress_8_threads_20k_futures():
 
 
 def test_configure_sets_the_pool_size(pool_size, monkeypatch):
-    monkeypatch.delenv(aa._pool.ENV_MAX_WORKERS, raising=False)
+    monkeypatch.delenv(aa._runtime.ENV_MAX_WORKERS, raising=False)
     pool_size(3)
     assert aa.max_workers() == 3
     assert _core.pool_stats()["max_workers"] == 3
@@ -761,7 +761,7 @@ def test_watcher_wakes_on_pool_completion(pool_size):
 
 
 def test_a_leaf_waited_on_runs_at_once_while_every_worker_is_busy(pool_size):
-    # Issue 17: with six 10 s loads in flight, a quick leaf waited on took 10 s.
+    # Once a bug: with six 10 s loads in flight, a quick leaf waited on took 10 s.
     pool_size(1)
     slow = [Gate(np.ones(2, np.float32)) for _ in range(3)]
     loads = [gate.leaf() for gate in slow]

@@ -1,4 +1,4 @@
-"""Waits that would never end (issue 14, item 9): a pool task that waits on its
+"""Waits that would never end: a pool task that waits on its
 own leaf, or tasks that wait on each other in a cycle, raise when the wait
 starts, naming the calls in the cycle, instead of hanging.
 

@@ -1,4 +1,4 @@
-"""Leaves with the standard futures tools (issue 14): ``AsyncArray.future()``,
+"""Leaves with the standard futures tools: ``AsyncArray.future()``,
 ``aa.future(tree)``, ``await``, and the behaviour of ``concurrent.futures``
 and ``jax.Array`` where the two meet (modelled on CPython's own future tests)."""
 
@@ -115,6 +115,73 @@ def test_future_cancel_fails_once_the_task_runs():
     np.testing.assert_array_equal(x.future().result(WAIT), [1, 1, 1])
 
 
+def test_wait_and_as_completed_see_a_leaf_cancelled_while_they_wait(pool_size):
+    # concurrent.futures tells its waiters of a cancellation only through
+    # set_running_or_notify_cancel: without it both would wait forever.
+    blocker, x = queued_leaf(pool_size)
+    fut = x.future()
+    waiting = cf.ThreadPoolExecutor(2)
+    try:
+        waited = waiting.submit(cf.wait, [fut], WAIT)
+        yielded = waiting.submit(lambda: list(cf.as_completed([fut], timeout=WAIT)))
+        assert x.cancel()
+        done, not_done = waited.result(timeout=2 * WAIT)
+        assert done == {fut} and not not_done
+        assert yielded.result(timeout=2 * WAIT) == [fut]
+        assert fut.cancelled()
+    finally:
+        waiting.shutdown(wait=True)
+        blocker.open()
+
+
+def test_future_cancelled_through_itself_wakes_a_waiter(pool_size):
+    blocker, x = queued_leaf(pool_size)
+    fut = x.future()
+    with cf.ThreadPoolExecutor(1) as waiting:
+        waited = waiting.submit(cf.wait, [fut], WAIT)
+        assert fut.cancel()
+        done, _ = waited.result(timeout=2 * WAIT)
+    assert done == {fut} and x.cancelled()
+    blocker.open()
+
+
+def test_future_is_running_while_the_task_runs():
+    gate = Gate(np.ones(3, F32))
+    x = gate.leaf()
+    fut = x.future()
+    wait_for(gate.started, "the loader to start")
+    assert x.running() and fut.running() and not fut.done()
+    assert "state=running" in repr(fut)
+    gate.open()
+    np.testing.assert_array_equal(fut.result(WAIT), [1, 1, 1])
+    assert not fut.running() and fut.done()
+
+
+def test_future_of_a_queued_leaf_is_pending(pool_size):
+    blocker, x = queued_leaf(pool_size)
+    assert not x.future().running() and not x.future().done()
+    blocker.open()
+    np.testing.assert_array_equal(x.future().result(WAIT), [1, 1, 1])
+
+
+def test_hashing_a_leaf_says_to_use_its_future():
+    x = ready_leaf()
+    with pytest.raises(TypeError, match=r"unhashable type: 'AsyncArray'.*x\.future\(\)"):
+        hash(x)
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(x.result())  # as jax.Array
+
+
+def test_asyncio_gather_of_leaves_names_the_future():
+    x = ready_leaf()
+
+    async def gather():
+        return await asyncio.gather(x)
+
+    with pytest.raises(TypeError, match=r"x\.future\(\)"):
+        asyncio.run(gather())
+
+
 def test_asyncio_gather_over_a_models_leaves():
     params = aa.async_map(
         lambda path, spec: np.full(spec.shape, len(path[0].key), spec.dtype),
@@ -128,6 +195,19 @@ def test_asyncio_gather_over_a_models_leaves():
     embed, head = asyncio.run(load_all())
     np.testing.assert_array_equal(embed, [5, 5, 5, 5])
     np.testing.assert_array_equal(head, [4, 4])
+
+
+def test_as_completed_keeps_nothing_it_yielded():
+    tree = {f"k{i}": ready_leaf(float(i)) for i in range(3)}
+    tree["late"] = Gate(np.ones(2, F32)).leaf()
+    it = aa.as_completed(tree, timeout=WAIT)
+    del tree
+    path, value = next(it)
+    gone = weakref.ref(value)
+    del path, value
+    gc.collect()
+    assert gone() is None  # the generator, still alive, holds no reference
+    it.close()
 
 
 # -- aa.future(tree) -------------------------------------------------------------
@@ -317,7 +397,7 @@ def test_a_timeout_message_names_the_failures_already_known():
     slow = Gate(np.ones(3, F32))
     bad = aa.async_wrap(lambda: None, shape=(3,), dtype=F32)
     bad.exception(timeout=WAIT)
-    error = aa._tree.not_ready("aa.materialize", [slow.leaf(), bad], 0.0)
+    error = aa._waits.not_ready("aa.materialize", [slow.leaf(), bad], 0.0)
     assert re.fullmatch(
         r"aa.materialize: 1 leaf not ready after 0.0 s \(the first: async_wrap\(.*Gate.*\) "
         r"result\); already failed: async_wrap\(.*<lambda>\) result: TypeError: .*got NoneType",

@@ -660,7 +660,7 @@ def test_a_compile_and_its_run_never_wait_behind_loads(pool_size):
 
 
 def test_a_later_donation_never_deletes_an_earlier_calls_input():
-    """Program order (issue 16 item 5): the earlier call waits for a slow
+    """Program order: the earlier call waits for a slow
     input; the later one, ready at once, donates what the earlier one reads.
     As with jax.jit, the earlier call sees the value, and the later one runs
     after it has launched."""

@@ -1,4 +1,4 @@
-"""The real thing (issue 16 item 7): N processes on 127.0.0.1 under
+"""The real thing: N processes on 127.0.0.1 under
 ``jax.distributed``, 2 CPU devices each, each running ``multihost_worker.py``.
 
 One job per N runs every scenario (a job costs seconds to start: 5 s for 2
@@ -10,7 +10,7 @@ reference computed from the same file with numpy.
 import numpy as np
 import pytest
 import safetensors.numpy
-from multihost import run_job, write_data
+from helpers.multihost import run_job, write_data
 
 # Telling other processes of a failure needs jax.distributed's key-value
 # store, found through a private name (async_array/_jax_hooks.py).

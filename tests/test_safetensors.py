@@ -3,9 +3,14 @@ safetensors package, like= checks, malformed headers, the byte budget,
 progress."""
 
 import errno
+import gc
 import json
+import os
+import pathlib
+import re
 import struct
 import threading
+import weakref
 
 import jax
 import ml_dtypes
@@ -13,6 +18,7 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
+from conftest import WAIT, Gate, wait_for
 from safetensors import _safetensors_rust as st_rust
 
 import async_array as aa
@@ -35,6 +41,10 @@ ST_DTYPES = {
     "F64": np.dtype(np.float64),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    "C64": np.dtype(np.complex64),
 }
 
 
@@ -123,14 +133,14 @@ def test_file_url_and_zero_copy(tmp_path, monkeypatch):
     path = tmp_path / "m.safetensors"
     safetensors.numpy.save_file({"a": want, "b": want[:3]}, str(path))
     addresses = {}
-    convert = _safetensors.convert_one
+    convert = _safetensors._read.convert_one
 
     def recording(specs, i, value):
         if isinstance(value, aa.HostBuffer):
             addresses[i] = value.address
         return convert(specs, i, value)
 
-    monkeypatch.setattr(_safetensors, "convert_one", recording)
+    monkeypatch.setattr(_safetensors._read, "convert_one", recording)
     tree = aa.load_safetensors(f"file://{path}")
     arrays = aa.materialize(tree, timeout=30)
     np.testing.assert_array_equal(np.asarray(arrays["a"]), want)
@@ -203,14 +213,13 @@ def test_missing_file_raises_at_the_call(tmp_path):
     assert info.value.filename == str(tmp_path / "nope.safetensors")
 
 
-def test_an_os_error_keeps_its_errno_and_python_subclass(tmp_path):
-    # A directory opens, and its first read fails with EISDIR: an OS error,
-    # not a malformed file.
+def test_a_directory_is_is_a_directory_error_with_its_errno_at_the_call(tmp_path):
+    # As open() raises it: errno, and the path as filename.
     with pytest.raises(IsADirectoryError) as info:
         aa.load_safetensors(tmp_path)
     assert info.value.errno == errno.EISDIR
-    assert info.value.strerror.startswith(f"load_safetensors: {tmp_path}: header (bytes [0, ")
-    assert info.value.strerror.endswith(")): Is a directory")
+    assert info.value.strerror == "load_safetensors: is a directory, not a file"
+    assert info.value.filename == str(tmp_path)
 
 
 def entry(dtype="F32", shape=(2,), offsets=(0, 8), **drop):
@@ -231,7 +240,8 @@ MALFORMED = [
     (b"{nope", b"", None, r"header \(bytes \[8, 13\)\) is not valid JSON"),
     ({"t": entry(dtype=None)}, D8, None, 'tensor "t": dtype must be a string'),
     ({"t": {"shape": [2], "data_offsets": [0, 8]}}, D8, None, 'tensor "t": .* has no dtype'),
-    ({"t": entry("C64")}, D8, None, 'tensor "t": unknown or unsupported dtype "C64"'),
+    ({"t": entry("F4", offsets=(0, 1))}, b"\0", None,
+     'tensor "t": dtype "F4" cannot be loaded: 4-bit floats packed'),
     ({"t": entry(shape=(4,), offsets=(0, 16))}, D8, None,
      rf'tensor "t": data_offsets \[0, 16\) {FILE_BYTES} out of bounds'),
     ({"t": entry(shape=(3,))}, D8, None,
@@ -267,14 +277,14 @@ def after_each_pump(monkeypatch, field: str) -> list[int]:
     """Patches the load's ``pump`` to append ``field`` of the load (read
     under its lock) after each call; returns that list."""
     seen: list[int] = []
-    pump = _safetensors._Load.pump
+    pump = _safetensors._plan.Load.pump
 
     def watched(self):
         pump(self)
         with self.lock:
             seen.append(getattr(self, field))
 
-    monkeypatch.setattr(_safetensors._Load, "pump", watched)
+    monkeypatch.setattr(_safetensors._plan.Load, "pump", watched)
     return seen
 
 
@@ -300,7 +310,7 @@ def test_reads_of_a_local_file_run_on_one_core_fewer_than_there_are(tmp_path, mo
     path = tmp_path / "m.safetensors"
     safetensors.numpy.save_file(arrays, str(path))
     peaks = after_each_pump(monkeypatch, "local_jobs")
-    monkeypatch.setattr(_safetensors, "_local_readers", lambda: 2)
+    monkeypatch.setattr(_safetensors._plan, "local_readers", lambda: 2)
     aa.configure(max_workers=6)
     try:
         got = aa.materialize(aa.load_safetensors(path), timeout=30)
@@ -312,10 +322,10 @@ def test_reads_of_a_local_file_run_on_one_core_fewer_than_there_are(tmp_path, mo
 
 
 def test_local_readers_leave_a_core_but_never_go_below_one(monkeypatch):
-    monkeypatch.setattr(_safetensors.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    assert _safetensors._local_readers() == 3
-    monkeypatch.setattr(_safetensors.os, "sched_getaffinity", lambda pid: {0})
-    assert _safetensors._local_readers() == 1
+    monkeypatch.setattr(_safetensors._plan.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert _safetensors._plan.local_readers() == 3
+    monkeypatch.setattr(_safetensors._plan.os, "sched_getaffinity", lambda pid: {0})
+    assert _safetensors._plan.local_readers() == 1
 
 
 def test_a_tensor_larger_than_the_budget_still_loads_alone(tmp_path):
@@ -445,3 +455,161 @@ def test_header_tensors_are_named_frozen_records(tmp_path):
     )
     with pytest.raises(AttributeError):
         b.start = 0
+
+
+# -- a file that changes during a load, and files that are not regular ----------------
+
+
+def reads_queued(pool_size, path):
+    """Loads ``path`` with its header read and every tensor read queued behind
+    a worker held by a gate; returns the leaves and the gate."""
+    pool_size(1)
+    blocker = Gate(np.zeros(1, np.float32))
+    blocker.leaf()
+    wait_for(blocker.started, "the only worker to be taken")
+    return aa.load_safetensors(path), blocker
+
+
+def test_a_file_grown_after_its_header_was_read_fails_its_leaves(tmp_path, pool_size):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.ones((4, 4), np.float32)}, str(path))
+    tree, blocker = reads_queued(pool_size, path)
+    with open(path, "ab") as f:
+        f.write(b"\0" * 8)
+    blocker.open()
+    exc = tree["w"].exception(timeout=WAIT)
+    assert isinstance(exc, OSError)
+    assert re.search(
+        r'tensor "w" .*the file changed since its header was read \(its size was \d+ bytes',
+        str(exc),
+    ), str(exc)
+
+
+def test_a_file_rewritten_in_place_fails_its_leaves(tmp_path, pool_size):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.ones((4, 4), np.float32)}, str(path))
+    before = os.stat(path).st_mtime_ns
+    tree, blocker = reads_queued(pool_size, path)
+    os.utime(path, ns=(before, before + 1_000_000_000))  # as a write in place leaves it
+    blocker.open()
+    with pytest.raises(OSError, match=r"changed since its header was read \(it was modified\)"):
+        tree["w"].result(timeout=WAIT)
+
+
+def test_a_file_replaced_by_a_rename_reads_the_file_its_header_came_from(tmp_path, pool_size):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.ones((4, 4), np.float32)}, str(path))
+    tree, blocker = reads_queued(pool_size, path)
+    safetensors.numpy.save_file({"w": np.zeros((8,), np.float16)}, str(tmp_path / "new"))
+    os.replace(tmp_path / "new", path)
+    blocker.open()
+    np.testing.assert_array_equal(tree["w"].result(timeout=WAIT), np.ones((4, 4), np.float32))
+
+
+def test_a_fifo_is_refused_at_the_call(tmp_path):
+    fifo = tmp_path / "m.safetensors"
+    os.mkfifo(fifo)
+    like = {"w": jax.ShapeDtypeStruct((2,), np.float32)}
+    for kwargs in ({}, {"like": like}):
+        with pytest.raises(ValueError, match=r"load_safetensors: .*m.safetensors: is a FIFO"):
+            aa.load_safetensors(fifo, **kwargs)
+
+
+def test_a_fifo_named_by_an_index_fails_its_leaves_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "part.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "part.safetensors"}})
+    )
+    with pytest.raises(ValueError, match=r"part.safetensors: is a FIFO \(named pipe\)"):
+        aa.materialize(aa.load_safetensors(tmp_path / "model.safetensors.index.json"), WAIT)
+
+
+# -- what a source may be ------------------------------------------------------------
+
+
+def test_any_path_python_takes_loads_utf8_or_not(tmp_path):
+    folder = os.fsencode(tmp_path)
+    path = os.path.join(folder, b"caf\xe9.safetensors")  # Latin-1: not UTF-8
+    w = np.arange(3, dtype=np.float32)
+    safetensors.numpy.save_file({"w": w}, os.fsdecode(path))
+    for source in (path, os.fsdecode(path), pathlib.Path(os.fsdecode(path))):
+        got = aa.materialize(aa.load_safetensors(source), WAIT)
+        np.testing.assert_array_equal(got["w"], w)
+
+
+def test_a_files_contents_passed_as_its_source_is_a_short_type_error(tmp_path):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.zeros(100_000, np.float32)}, str(path))
+    with pytest.raises(TypeError) as info:
+        aa.load_safetensors(path.read_bytes())
+    assert len(str(info.value)) < 200
+    assert "got bytes of length 400" in str(info.value) and "a file's contents?" in str(info.value)
+
+
+# -- a progress callback that waits on the load's own leaves ---------------------------
+
+
+def test_a_progress_callback_may_wait_on_later_leaves_of_its_load(tmp_path, pool_size):
+    # One read job a tensor (local tensors over 64 KiB are not grouped), and
+    # one worker: the callback's wait must not hold up the reads it waits for.
+    pool_size(1)
+    arrays = {f"t{i}": np.full(40_000, i, np.float32) for i in range(4)}
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(arrays, str(path))
+    seen = []
+    tree = {}
+    returned = threading.Event()
+
+    def progress(done, total):
+        if done and not seen:
+            wait_for(returned, "load_safetensors to return")
+            seen.append(float(tree["t3"].result(timeout=WAIT)[0]))
+
+    tree.update(aa.load_safetensors(path, progress=progress, max_bytes_in_flight=200_000))
+    returned.set()
+    got = aa.materialize(tree, WAIT)
+    assert seen == [3.0]
+    np.testing.assert_array_equal(got["t2"], arrays["t2"])
+
+
+def test_a_progress_callback_waiting_on_a_leaf_its_own_read_makes_gets_a_cycle_error(tmp_path):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.ones(4, np.float32)}, str(path))
+    errors = []
+    tree = {}
+    returned = threading.Event()
+
+    def progress(done, total):
+        if done:
+            wait_for(returned, "load_safetensors to return")
+            try:
+                tree["w"].result(timeout=WAIT)
+            except aa.WaitCycleError as exc:
+                errors.append(str(exc))
+
+    tree.update(aa.load_safetensors(path, progress=progress))
+    returned.set()
+    np.testing.assert_array_equal(tree["w"].result(timeout=WAIT), np.ones(4, np.float32))
+    assert len(errors) == 1 and "load_safetensors" in errors[0], errors
+
+
+def test_the_load_keeps_no_value_of_a_leaf_it_handed_out(tmp_path):
+    arrays = {"a": np.ones(40_000, np.float32), "b": np.zeros(40_000, np.float32)}
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(arrays, str(path))
+    release = threading.Event()
+
+    def progress(done, total):
+        if done == total:  # the last read's report: the load is still running
+            wait_for(release, "the test to let the load end")
+
+    tree = aa.load_safetensors(path, progress=progress, max_bytes_in_flight=160_000)
+    try:
+        value = tree.pop("a").result(timeout=WAIT)
+        gone = weakref.ref(value)
+        del value
+        gc.collect()
+        assert gone() is None  # a streaming consumer's peak is what it holds itself
+    finally:
+        release.set()
+    np.testing.assert_array_equal(tree["b"].result(timeout=WAIT), arrays["b"])

@@ -1,6 +1,6 @@
 """The wheel a user installs: built as ``make wheel`` builds it (maturin,
 manylinux_2_34, checked by maturin), installed with pip into a fresh venv, then
-the README's quick example runs from it, and the process exits cleanly (issue 12)."""
+the README's quick example runs from it, and the process exits cleanly."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""async_wrap: results of every kind, casting, validation and errors (DESIGN.md section 3)."""
+"""async_wrap: results of every kind, casting, validation and errors."""
 
 import concurrent.futures
 import gc

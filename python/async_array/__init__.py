@@ -6,17 +6,18 @@ leaves at once, ``jax.jit`` compiles the computation that uses them while the
 function still runs, and only reading a value waits.
 """
 
-from . import _core, _jax_hooks, _tree
+from . import _core, _jax_hooks, _waits
 from ._array import AsyncArray
 from ._buffer import empty
 from ._core import HostBuffer
+from ._errors import RemoteFailure, WaitCycleError
 from ._jax_hooks import active as jax_hooks_active
 from ._jit import jit
 from ._map import async_map, async_stream
-from ._pool import configure, max_workers
+from ._runtime import configure, max_workers
 from ._safetensors import load_safetensors
 from ._shards import make_array_from_callback
-from ._tree import (
+from ._waits import (
     ALL_COMPLETED,
     FIRST_COMPLETED,
     FIRST_EXCEPTION,
@@ -31,7 +32,7 @@ from ._wrap import async_wrap
 # The one registration with JAX (a no-op where its hooks are missing):
 # jax.jit traces an AsyncArray from its aval and, at dispatch, resolves every
 # AsyncArray argument of the call in one wait.
-_jax_hooks.install(AsyncArray, _tree.resolve_all)
+_jax_hooks.install(AsyncArray, _waits.resolve_all)
 
 __version__ = _core.__version__
 
@@ -42,6 +43,8 @@ __all__ = [
     "AsyncArray",
     "DoneAndNotDone",
     "HostBuffer",
+    "RemoteFailure",
+    "WaitCycleError",
     "__version__",
     "as_completed",
     "async_map",

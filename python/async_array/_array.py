@@ -10,7 +10,7 @@ import logging
 import math
 import operator
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import jax
@@ -139,7 +139,8 @@ class AsyncArray(jax.Array):
         Never waits."""
         if self._value is None and not self._succeeded():
             return None
-        return self.result().format
+        value: Any = self.result()  # .format: not in JAX's stubs of jax.Array
+        return value.format
 
     def _succeeded(self) -> bool:
         source = self._source
@@ -203,7 +204,7 @@ class AsyncArray(jax.Array):
           TypeError: ``timeout`` is not a number nor None.
           TimeoutError: not ready within ``timeout`` seconds.
           concurrent.futures.CancelledError: the task was cancelled.
-          RuntimeError: (``async_array._core.WaitCycleError``) called inside a
+          async_array.WaitCycleError: (a RuntimeError) called inside a
             pool task (an ``async_wrap`` function, say) whose own work this
             leaf waits for, directly or through other tasks: the wait would
             never end. Raised when the wait starts (not for ``timeout=0``),
@@ -233,7 +234,7 @@ class AsyncArray(jax.Array):
           TypeError: ``timeout`` is not a number nor None.
           TimeoutError: not done within ``timeout`` seconds.
           concurrent.futures.CancelledError: the task was cancelled.
-          RuntimeError: (``WaitCycleError``) the wait would never end, as in
+          async_array.WaitCycleError: (a RuntimeError) the wait would never end, as in
             :meth:`result`.
         """
         source = self._source
@@ -331,9 +332,22 @@ class AsyncArray(jax.Array):
             raise _jax_hooks.hooks_error()
         return self.result
 
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        out = np.asarray(self.result(), dtype=dtype)
-        return out.copy() if copy else out
+    def __array__(
+        self, dtype: Any = None, context: None = None, copy: bool | None = None
+    ) -> np.ndarray:
+        # jax.Array's own contract: copy=False raises where a copy is needed.
+        return self.result().__array__(dtype, copy=copy)
+
+    def __reversed__(self) -> Iterator[jax.Array]:
+        # jax.Array has no __reversed__: reversed() falls back to len and indexing.
+        return reversed(self.result())
+
+    def __hash__(self) -> int:
+        raise TypeError(
+            "unhashable type: 'AsyncArray' (a leaf is a jax.Array, and jax.Array is "
+            "unhashable); asyncio.gather, asyncio.wait and concurrent.futures.wait "
+            "take its concurrent.futures.Future: x.future()"
+        )
 
     def __reduce__(self) -> Any:
         return self.result().__reduce__()
@@ -355,9 +369,10 @@ class LeafFuture(concurrent.futures.Future):
     """The ``concurrent.futures.Future`` of one leaf (``AsyncArray.future()``):
     ``cancel()`` cancels the leaf's task first, so both agree."""
 
-    def __init__(self, cancel_task: Callable[[], bool]) -> None:
+    def __init__(self, cancel_task: Callable[[], bool], task_running: Callable[[], bool]) -> None:
         super().__init__()
         self._cancel_task = cancel_task
+        self._task_running = task_running
 
     def cancel(self) -> bool:
         if self.done():
@@ -366,16 +381,29 @@ class LeafFuture(concurrent.futures.Future):
             return False
         return super().cancel()
 
+    def running(self) -> bool:
+        # The pool gives no start callback: the state moves to RUNNING when
+        # asked, as an executor's worker would have moved it.
+        if self._task_running():
+            with self._condition:
+                if self._state == concurrent.futures._base.PENDING:
+                    self.set_running_or_notify_cancel()
+        return super().running()
+
+
+def _false() -> bool:
+    return False
+
 
 def _leaf_future(leaf: AsyncArray) -> LeafFuture:
     # The future refers to the task, not to the leaf: a leaf it kept alive
     # would keep its own future alive.
     source = leaf._source
     if source is None:
-        fut = LeafFuture(lambda: False)
+        fut = LeafFuture(_false, _false)
         fut.set_result(leaf._value)
         return fut
-    fut = LeafFuture(source.future.cancel)
+    fut = LeafFuture(source.future.cancel, source.future.running)
     source.future.add_done_callback(functools.partial(_settle, fut, source, leaf._index))
     return fut
 
@@ -385,6 +413,12 @@ def _settle(fut: LeafFuture, source: Source, index: int, _: Any = None) -> None:
     try:
         if source.future.cancelled():
             concurrent.futures.Future.cancel(fut)
+            # Only this step tells concurrent.futures.wait/as_completed's
+            # waiters (an executor's worker takes it for a cancelled item).
+            with fut._condition:
+                notify = fut._state == concurrent.futures._base.CANCELLED
+            if notify:
+                fut.set_running_or_notify_cancel()
             return
         try:
             value = source.value(index, 0)
@@ -426,7 +460,7 @@ _OPERATORS = [
     "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__",
     "__neg__", "__pos__", "__abs__", "__invert__", "__round__",
     "__bool__", "__int__", "__float__", "__complex__", "__index__",
-    "__len__", "__iter__", "__reversed__", "__contains__", "__getitem__", "__setitem__",
+    "__len__", "__iter__", "__contains__", "__getitem__", "__setitem__",
     "__copy__", "__deepcopy__", "__dlpack__", "__dlpack_device__", "__array_namespace__",
 ]  # fmt: skip
 for _name in _OPERATORS:

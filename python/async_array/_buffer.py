@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ._core import HUGE_PAGES_ENV, HostBuffer
+from ._errors import reworded
 from ._spec import shape_tuple
 
 
@@ -29,11 +30,9 @@ def empty(shape: int | tuple[int, ...], dtype: Any) -> HostBuffer:
       are undefined until written, as ``np.empty``'s are (never zeroed: the
       loader overwrites them). From 4 MiB on it starts on a 2 MiB boundary
       and asks the kernel for transparent huge pages (``MADV_HUGEPAGE``), as
-      numpy does for large arrays: filling 512 MiB ran 4x slower without.
-      Not in a VM whose balloon device reports free pages to the host
-      (``VIRTIO_BALLOON_F_REPORTING``): there a fresh huge page is most often
-      memory the host took back, and filling 440 MiB in a fresh process took
-      0.08 to 2.9 s with huge pages, 0.18 to 0.27 s without.
+      numpy does for large arrays, except in a VM whose balloon device reports
+      free pages to the host (``VIRTIO_BALLOON_F_REPORTING``), where a fresh
+      huge page is slow to touch (figures in ``docs/performance.md``).
       ``ASYNC_ARRAY_HUGE_PAGES=1`` (or ``0``) asks always (or never).
 
     Raises:
@@ -64,7 +63,7 @@ def empty(shape: int | tuple[int, ...], dtype: Any) -> HostBuffer:
     try:
         return HostBuffer(dims, dt)
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"aa.empty: {exc}") from None
+        raise reworded(exc, "aa.empty: ") from None
 
 
 def aligned_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -14,20 +14,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _core, _jax_hooks
+from . import _core, _handoff
 from ._array import AsyncArray
 from ._buffer import aligned_array
 from ._core import HostBuffer
-from ._errors import free_frames
+from ._errors import free_frames, invalid, is_invalid, reworded
 from ._spec import LeafSpecs, Sharding
 
 # Results numpy must build a new array from: that array is ours alone.
 _BUILT = (list, tuple, bool, int, float, complex)
 
 
-def _check_cast(src: np.dtype, dst: np.dtype, where: str) -> None:
+def check_cast(src: np.dtype, dst: np.dtype, where: str) -> None:
     if src == dst or (src.kind in "biu" and dst.kind in "iu"):
-        return  # integers: any width or sign, range-checked by _copy_checked
+        return  # integers: any width or sign, range-checked by copy_checked
     if not np.can_cast(src, dst, casting="same_kind"):
         raise invalid(
             TypeError,
@@ -37,7 +37,7 @@ def _check_cast(src: np.dtype, dst: np.dtype, where: str) -> None:
         )
 
 
-def _copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
+def copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
     """Copies ``value`` into ``dst`` (casting, byte-swapping, de-striding in one
     pass); raises OverflowError rather than wrap an integer or turn a finite
     float into inf."""
@@ -68,6 +68,7 @@ def _copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
 @functools.lru_cache(maxsize=256)
 def _on_one_cpu(sharding: Sharding) -> bool:
     """Whether host memory can be aliased there: one CPU device."""
+    device: Any
     (device, *more) = sharding.device_set
     return not more and device.platform == "cpu"
 
@@ -88,14 +89,6 @@ def describe(value: Any) -> str:
     return kind
 
 
-def invalid(kind: type[Exception], message: str) -> Exception:
-    """An error in a result that the leaf's message prefix is added to (see
-    :func:`convert_one`); any other exception is the producer's own."""
-    exc = kind(message)
-    exc._async_array_invalid = True  # type: ignore[attr-defined]
-    return exc
-
-
 # Results that are never arrays, however numpy would wrap them.
 _NOT_ARRAYS = (type(None), str, bytes, dict, set, frozenset)
 
@@ -109,7 +102,7 @@ def _cpu_dlpack(value: Any) -> bool:
     return device()[0] == _core.DLPACK_CPU
 
 
-def _host_array(value: Any, where: str) -> np.ndarray:
+def host_array(value: Any, where: str) -> np.ndarray:
     """``value`` as a numpy array (a view where numpy can make one).
 
     Exceptions raised by the value's own ``__array__``, ``__dlpack__`` or
@@ -167,10 +160,10 @@ def place(value: Any, aval: Any, sharding: Sharding, committed: bool, where: str
     elif type(value) is HostBuffer:
         if value.shape == shape and value.dtype == dtype and _on_one_cpu(sharding):
             value.mark_exported()
-            return _jax_hooks.put_dlpack(value, aval, sharding, committed)
+            return _handoff.put_dlpack(value, aval, sharding, committed)
         host, ours = np.asarray(value), False
     else:
-        host, ours = _host_array(value, where), type(value) in _BUILT
+        host, ours = host_array(value, where), type(value) in _BUILT
     if host.shape != shape:
         raise invalid(ValueError, f"{where}: expected shape {shape}, got {host.shape}")
     if host.dtype == dtype and host.flags.c_contiguous:
@@ -179,12 +172,12 @@ def place(value: Any, aval: Any, sharding: Sharding, committed: bool, where: str
             and _on_one_cpu(sharding)
             and host.__array_interface__["data"][0] % _core.ALIGNMENT == 0
         )
-        return _jax_hooks.put_host(host, aval, sharding, committed, alias)
+        return _handoff.put_host(host, aval, sharding, committed, alias)
     # Cast, byte-swap or gather strides in one pass into memory that is ours.
-    _check_cast(host.dtype, dtype, where)
+    check_cast(host.dtype, dtype, where)
     staged = aligned_array(shape, dtype)
-    _copy_checked(host, staged, where)
-    return _jax_hooks.put_host(staged, aval, sharding, committed, alias=True)
+    copy_checked(host, staged, where)
+    return _handoff.put_host(staged, aval, sharding, committed, alias=True)
 
 
 def _place_jax_array(
@@ -202,7 +195,7 @@ def _place_jax_array(
         value = value.copy()  # its maker may delete or donate its own
     if len(sharding.device_set) > 1:
         return value
-    return _jax_hooks.put_array(value, aval, sharding, committed)
+    return _handoff.put_array(value, aval, sharding, committed)
 
 
 def _mismatch(like: Any, out: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] | None:
@@ -255,14 +248,14 @@ def structure_error(specs: LeafSpecs, out: Any, cause: Exception) -> ValueError:
 
 
 # Per sharding (by id; the sharding is kept so its id is never reused): the
-# hand-off of :func:`_jax_hooks.copier`, or None.
+# hand-off of :func:`_handoff.copier`, or None.
 _copiers: dict[int, tuple[Sharding, Any]] = {}
 
 
 def _copier(sharding: Sharding) -> Any:
     found = _copiers.get(id(sharding))
     if found is None:
-        found = (sharding, _jax_hooks.copier(sharding))
+        found = (sharding, _handoff.copier(sharding))
         if len(_copiers) < 4096:
             _copiers[id(sharding)] = found
     return found[1]
@@ -289,8 +282,8 @@ def convert_one(specs: LeafSpecs, i: int, value: Any) -> Any:
     try:
         return place(value, aval, specs.shardings[i], specs.committed[i], "")
     except Exception as exc:
-        if getattr(exc, "_async_array_invalid", False):
-            return type(exc)(f"{specs.where(i)}{exc}")
+        if is_invalid(exc):
+            return reworded(exc, specs.where(i))
         # The producer's own (from its __array__, say): itself, with its frames.
         exc.add_note(f"async_array: while converting {specs.where(i)}")
         return free_frames(exc)

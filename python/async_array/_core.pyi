@@ -63,7 +63,8 @@ class Future:
     def add_done_callback(self, func: Callable[[Future], object]) -> None: ...
 
 class WaitCycleError(RuntimeError):
-    """A pool task's wait that would never end: it waits on itself."""
+    """A pool task's wait that would never end: it waits on itself.
+    Public as ``async_array.WaitCycleError``."""
 
     # Set by the core: the calls from the waiting task back to it, and the
     # position (among the futures waited on) of the one that leads back.

@@ -1,13 +1,68 @@
-"""Exceptions that cross threads: freeing a failed function's locals, and one
-exception shared by many leaves or calls without their notes mixing."""
+"""The package's exceptions and the helpers that shape them.
+
+``WaitCycleError`` (raised by the Rust core) and ``RemoteFailure`` are public,
+as ``async_array.WaitCycleError`` and ``async_array.RemoteFailure``. The
+helpers: freeing a failed function's locals, one exception shared by many
+leaves or calls without their notes mixing, errors in a result marked
+:func:`invalid` (the leaf's name goes in front), and :func:`reworded`, the one
+way a message is prefixed with the call or leaf it concerns."""
 
 from __future__ import annotations
 
 import copy
 import traceback
 from types import TracebackType
+from typing import Literal, TypeVar
 
 from ._core import WaitCycleError
+
+__all__ = [
+    "RemoteFailure",
+    "WaitCycleError",
+    "frames_freed",
+    "free_frames",
+    "invalid",
+    "is_invalid",
+    "noted",
+    "reworded",
+    "shallow_copy",
+    "waiting_on",
+]
+
+E = TypeVar("E", bound=BaseException)
+
+
+class RemoteFailure(RuntimeError):
+    """Another process of a ``jax.distributed`` job failed where this one
+    waits for it: its share of a leaf, or a call spanning the processes. The
+    message names the process and the leaf (``async_array.RemoteFailure``)."""
+
+    __module__ = "async_array"
+
+
+def invalid(kind: type[Exception], message: str) -> Exception:
+    """An error in a result (``message`` starts with ``": "``) that the leaf's
+    name is put in front of where it is reported (see :func:`is_invalid`);
+    any other exception is the producer's own and keeps its message."""
+    exc = kind(message)
+    exc._async_array_invalid = True  # type: ignore[attr-defined]
+    return exc
+
+
+def is_invalid(exc: BaseException) -> bool:
+    """Whether ``exc`` was made by :func:`invalid`."""
+    return getattr(exc, "_async_array_invalid", False)
+
+
+def reworded(exc: E, prefix: str, text: str | None = None) -> E:
+    """A new exception of ``exc``'s type whose message is ``prefix`` followed by
+    ``text`` (default: ``exc``'s message). An ``OSError`` with an error number
+    keeps it (``errno``, and the subclass ``open()`` would raise); its text is
+    then ``prefix`` and its ``strerror``. Raise it ``from None``: the
+    original adds nothing the new message lacks."""
+    if isinstance(exc, OSError) and exc.errno is not None and text is None:
+        return type(exc)(exc.errno, f"{prefix}{exc.strerror}")
+    return type(exc)(f"{prefix}{exc if text is None else text}")
 
 
 class _FramesFreed:
@@ -26,7 +81,7 @@ class _FramesFreed:
         kind: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> Literal[False]:
         if tb is not None:
             traceback.clear_frames(tb)  # skips the frames still running (this one's caller)
         return False

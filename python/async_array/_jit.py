@@ -31,7 +31,8 @@ import numpy as np
 from . import _core, _jax_hooks, _multiprocess
 from ._array import AsyncArray, source_of
 from ._errors import frames_freed, free_frames, noted
-from ._pool import exit_hooks, jax_work
+from ._leaves import source_leaves
+from ._runtime import exit_hooks, jax_work
 from ._source import Source, pending
 from ._spec import qualname
 
@@ -479,7 +480,8 @@ class JitFunction:
         """Asks JAX to forget this function's traces (``jax.jit(fun).clear_cache()``),
         so the next call traces, lowers and compiles again. Compilations
         already running still finish and serve the calls that wait for them."""
-        self.jitted.clear_cache()
+        jitted: Any = self.jitted  # clear_cache: not in JAX's stubs
+        jitted.clear_cache()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Traces ``fun`` now (JAX reuses a trace of the same avals), and
@@ -679,12 +681,7 @@ class JitFunction:
         """The output leaves of one call; the program runs once the
         compilation and every pending input are done."""
         source = Source(call.out, self._name, len(call.out_avals), call.out_path)
-        outputs = [
-            AsyncArray(source, i, aval, sharding)
-            for i, (aval, sharding) in enumerate(
-                zip(call.out_avals, call.out_shardings, strict=True)
-            )
-        ]
+        outputs = source_leaves(source, call.out_avals, call.out_shardings)
         compiling = call.compiling
         assert compiling is not None and call.leaves is not None
         spans = any(
@@ -698,8 +695,8 @@ class JitFunction:
             call.span_number = _multiprocess.next_call_number()
             for i, leaf in enumerate(call.leaves):
                 if type(leaf) is AsyncArray:
-                    source = source_of(leaf)
-                    ids = None if source is None else source.global_ids
+                    input_source = source_of(leaf)
+                    ids = None if input_source is None else input_source.global_ids
                     if ids is not None and ids[leaf._index] >= 0:
                         call.spanning_inputs.append((ids[leaf._index], i))
         if not compiling.done():

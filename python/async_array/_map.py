@@ -10,62 +10,16 @@ from typing import Any
 
 import jax
 
-from . import _core, _multiprocess
-from ._array import AsyncArray
+from . import _core
 from ._convert import convert_one
 from ._errors import frames_freed, free_frames, shallow_copy
-from ._pool import jax_work
-from ._shards import submit_per_shard
-from ._source import Call, Source
-from ._spec import LeafSpecs, declare_tree, qualname
-from ._tree import paused_gc
+from ._leaves import fail_all_if_failed, one_source_a_leaf, specs_and_paths
+from ._per_shard import submit_per_shard
+from ._runtime import jax_work, paused_gc
+from ._spec import LeafSpecs, qualname
 
 _LOG = logging.getLogger("async_array")
 _keystr = jax.tree_util.keystr
-
-
-def _specs_and_paths(name: str, like: Any, sharding: Any) -> tuple[LeafSpecs, list[Any], list[Any]]:
-    # One flattening serves the specs, the key paths fn receives, and messages.
-    flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-    paths = [p for p, _ in flat]
-    leaves = [leaf for _, leaf in flat]
-    specs = declare_tree(LeafSpecs(name, like, treedef, paths), leaves, sharding)
-    return specs, paths, leaves
-
-
-def _one_source_a_leaf(
-    specs: LeafSpecs, futures: list[_core.Future], call: Call | None = None
-) -> list[AsyncArray]:
-    # The sources share the specs' key-path table, each at its own offset
-    # (a closure per leaf would cost 200 bytes a pending leaf); with a
-    # ``call``, one retrieved exception counts for every leaf.
-    key_paths = specs.key_path
-    name, avals, shardings, committed = specs.name, specs.avals, specs.shardings, specs.committed
-    leaves: list[AsyncArray] = []
-    append = leaves.append
-    try:
-        for i, future in enumerate(futures):
-            append(
-                AsyncArray(
-                    Source(future, name, 1, key_paths, i, call),
-                    0,
-                    avals[i],
-                    shardings[i],
-                    committed[i],
-                )
-            )
-        if leaves:
-            _multiprocess.track(specs, [leaf._source for leaf in leaves])
-    except BaseException:
-        # Interrupted part way (Ctrl-C): nobody can read these leaves. Their
-        # tasks need not run, and dropping them skips the check for an
-        # unretrieved failure (300k pending leaves took 0.3 s at the raise).
-        for leaf in leaves:
-            leaf._source.retrieved = True
-        for future in futures:
-            future.cancel()
-        raise
-    return leaves
 
 
 def _run_leaf(fn: Callable[[Any, Any], Any], path: Any, spec: Any, specs: LeafSpecs, i: int):
@@ -146,20 +100,20 @@ def async_map(
     _check_takes(fn, per_shard)
     with paused_gc():
         if per_shard:
-            specs, paths, _ = _specs_and_paths(f"async_map({qualname(fn)})", like, sharding)
+            specs, paths, _ = specs_and_paths(f"async_map({qualname(fn)})", like, sharding)
             return specs.treedef.unflatten(submit_per_shard(fn, specs, paths))
         return _async_map(fn, like, sharding)
 
 
 def _async_map(fn: Callable[[Any, Any], Any], like: Any, sharding: Any) -> Any:
-    specs, paths, specs_in = _specs_and_paths(f"async_map({qualname(fn)})", like, sharding)
+    specs, paths, specs_in = specs_and_paths(f"async_map({qualname(fn)})", like, sharding)
     # One lock and one wake-up round for the whole tree, not one per leaf.
     args = [
         (fn, path, spec, specs, i)
         for i, (path, spec) in enumerate(zip(paths, specs_in, strict=True))
     ]
     futures = _core.submit_many(_run_leaf, args, label=_leaf_label)
-    leaves = _one_source_a_leaf(specs, futures)
+    leaves = one_source_a_leaf(specs, futures)
     return specs.treedef.unflatten(leaves)
 
 
@@ -262,24 +216,13 @@ def async_stream(
 
 
 def _async_stream(gen_fn: Callable[[], Iterable[tuple[Any, Any]]], like: Any, sharding: Any) -> Any:
-    specs, paths, _ = _specs_and_paths(f"async_stream({qualname(gen_fn)})", like, sharding)
+    specs, paths, _ = specs_and_paths(f"async_stream({qualname(gen_fn)})", like, sharding)
     futures = [_core.Future() for _ in paths]
-    leaves = _one_source_a_leaf(specs, futures)
+    leaves = one_source_a_leaf(specs, futures)
     driver = _core.submit(_drive_stream, gen_fn, specs, paths, futures, label=specs.name)
     # Each leaf needs the generator's task: a wait on a leaf from a task that
     # the generator itself waits for is a cycle.
     _core.depends_on(futures, [driver])
     # The driver itself only fails on a bug here; then no leaf may hang.
-    driver.add_done_callback(lambda d: _fail_all_if_failed(d, futures))
+    driver.add_done_callback(lambda d: fail_all_if_failed(d, futures))
     return specs.treedef.unflatten(leaves)
-
-
-def _fail_all_if_failed(driver: _core.Future, futures: list[_core.Future]) -> None:
-    exc = driver.exception(0) if not driver.cancelled() else None
-    if driver.cancelled():
-        for fut in futures:
-            fut.cancel()
-    elif exc is not None:
-        for fut in futures:
-            if not fut.done():
-                fut.set_exception(shallow_copy(exc))

@@ -26,7 +26,8 @@ from typing import Any
 import jax
 
 from . import _core, _jax_hooks, _spec
-from ._pool import exit_hooks
+from ._errors import RemoteFailure
+from ._runtime import exit_hooks
 
 _LOG = logging.getLogger("async_array")
 PREFIX = "async_array/"
@@ -106,8 +107,8 @@ class _Group:
         self.outstanding = sources
 
     def add(self, source: Any) -> None:
-        local, confirmed = source.future, _core.Future()
-        source.future = confirmed
+        confirmed = _core.Future()
+        local = source.swap_future(confirmed)
         self.entries.append((source, local, confirmed))
         confirmed.add_done_callback(functools.partial(_cancel_if_cancelled, local))
         local.add_done_callback(functools.partial(self._local_done, source, confirmed))
@@ -147,10 +148,11 @@ def _publish_failures(source: Any, failures: list[BaseException | None]) -> None
     me = jax.process_index()
     try:
         for i, n in enumerate(source.global_ids):
-            if n >= 0 and failures[i] is not None:
+            failure = failures[i]
+            if n >= 0 and failure is not None:
                 where = _spec.where(source.name, source.key_path(source.offset + i))
                 store.key_value_set(
-                    f"{PREFIX}failed/{n}", f"process {me}: {where}: {describe(failures[i])}"
+                    f"{PREFIX}failed/{n}", f"process {me}: {where}: {describe(failure)}"
                 )
     except Exception:  # the store is gone (shutdown): nothing to tell
         _LOG.debug("async_array: could not publish a failure", exc_info=True)
@@ -303,10 +305,6 @@ def describe(exc: BaseException) -> str:
     notes = [n for n in getattr(exc, "__notes__", ()) if n.startswith("async_array: raised for")]
     text = f"{type(exc).__name__}: {exc}"
     return text + (f" ({notes[0][len('async_array: ') :]})" if notes else "")
-
-
-class RemoteFailure(RuntimeError):
-    """Another process of the job failed where this one waits for it."""
 
 
 def agree(number: int, failure: str | None, leaves: list[tuple[int, str]], name: str) -> None:

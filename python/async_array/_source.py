@@ -13,8 +13,7 @@ from typing import NamedTuple
 import jax
 
 from . import _core, _spec
-from ._core import WaitCycleError
-from ._errors import shallow_copy, waiting_on
+from ._errors import WaitCycleError, shallow_copy, waiting_on
 
 _LOG = logging.getLogger("async_array")
 
@@ -85,6 +84,14 @@ class Source:
         # None when no leaf spans processes (see _multiprocess).
         self.global_ids: list[int] | None = None
 
+    def swap_future(self, future: _core.Future) -> _core.Future:
+        """Puts ``future`` in place of the task's and returns the one it
+        replaces: a leaf spanning processes is ready only when every process
+        confirms its share (``_multiprocess``), so its readers wait on the
+        confirmation while the local task still fills the replaced one."""
+        replaced, self.future = self.future, future
+        return replaced
+
     def where(self, index: int) -> str:
         """How messages name leaf ``index``."""
         return _spec.where(self.name, self.key_path(self.offset + index))
@@ -146,7 +153,7 @@ class Source:
         """Waits (GIL released) for the task; True when it is done.
 
         Raises:
-          WaitCycleError: called from a pool task that leaf ``index`` waits on
+          async_array.WaitCycleError: called from a pool task that leaf ``index`` waits on
             (directly or through other tasks): the wait would never end.
         """
         try:
@@ -201,7 +208,7 @@ def _log_unretrieved(name: str, call: Call | None, fut: _core.Future) -> None:
         )
 
 
-class Pending(NamedTuple):
+class TaskGroups(NamedTuple):
     """The distinct tasks still running behind some leaves, in first-seen
     order: ``futures[k]`` produces the items at indices ``groups[k]``; the
     items at ``ready`` need no wait."""
@@ -211,7 +218,7 @@ class Pending(NamedTuple):
     ready: list[int]
 
 
-def pending(sources: Iterable[Source | None]) -> Pending:
+def pending(sources: Iterable[Source | None]) -> TaskGroups:
     """Groups items by the task they wait on: ``sources[i]`` is item ``i``'s
     source, or None when its value is already at hand. Many leaves of one
     task (an ``async_wrap`` of a tree) give one future, so a bulk wait waits
@@ -234,4 +241,4 @@ def pending(sources: Iterable[Source | None]) -> Pending:
             futures.append(fut)
             groups.append([])
         groups[k].append(i)
-    return Pending(futures, groups, ready)
+    return TaskGroups(futures, groups, ready)

@@ -13,12 +13,15 @@ import math
 import operator
 import sys
 import warnings
+from types import FrameType
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from . import _jax_hooks
+from ._errors import reworded
 
 Sharding = jax.sharding.Sharding
 
@@ -66,34 +69,61 @@ def shape_tuple(shape: Any, where: str) -> tuple[int, ...]:
     return out
 
 
-def timeout_seconds(timeout: Any, caller: str) -> float | None:
-    """``timeout`` as the waits take it: None (no limit) or seconds as a float;
-    a negative number counts as zero, as in ``concurrent.futures``.
+def timeout_seconds(timeout: Any, caller: str, *, positive: bool = False) -> float | None:
+    """``timeout`` as seconds (a float), or None (no limit): the one parser of
+    a timeout argument in the package.
+
+    For a wait (``positive=False``) a negative number counts as zero, as in
+    ``concurrent.futures``. For a request (``positive=True``, as the core's
+    readers take it) the number must be above zero.
 
     Raises:
       TypeError: not a real number nor None (naming ``caller``).
-      ValueError: NaN.
+      ValueError: NaN; with ``positive``, a number not above zero.
     """
     if timeout is None:
         return None
+    what = "a positive number" if positive else "a number"
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
         raise TypeError(
-            f"{caller}: timeout must be a number of seconds or None, got "
+            f"{caller}: timeout must be {what} of seconds or None, got "
             f"{type(timeout).__name__} {timeout!r:.40}"
         )
     t = float(timeout)
+    if positive:
+        if not t > 0:  # NaN too
+            raise ValueError(
+                f"{caller}: timeout must be {what} of seconds or None, got {timeout!r}"
+            )
+        return t
     if t != t:
-        raise ValueError(f"{caller}: timeout must be a number of seconds or None, got nan")
+        raise ValueError(f"{caller}: timeout must be {what} of seconds or None, got nan")
     return max(t, 0.0)
 
 
 def outside_package_stacklevel() -> int:
     """The ``stacklevel`` that makes a warning raised by the caller point at
     the first frame outside async_array: the user's line."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_globals.get("__name__", "").startswith("async_array"):
         frame, level = frame.f_back, level + 1
     return level
+
+
+#: The 64-bit dtypes, which JAX narrows to 32 bits while x64 is off.
+X64_DTYPES = frozenset(map(np.dtype, ("int64", "uint64", "float64", "complex128")))
+
+
+@functools.cache
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a dtype name as numpy or ml_dtypes spell it
+    (``float32``; ``bfloat16`` and the float8 kinds from ml_dtypes, as in JAX).
+
+    Raises:
+      TypeError: not a dtype name.
+    """
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
 def canonical_dtype(dtype: np.dtype, fun_name: str) -> np.dtype:
@@ -136,7 +166,7 @@ _unchanged: dict[tuple[np.dtype, Any, Any], bool] = {}
 
 
 def _canonical(dtype: np.dtype, fun_name: str) -> np.dtype:
-    config = jax.config
+    config: Any = jax.config  # its options are attributes JAX's stubs do not list
     key = (dtype, config.jax_enable_x64, getattr(config, "jax_explicit_x64_dtypes", None))
     if _unchanged.get(key):
         return dtype
@@ -195,7 +225,8 @@ def default_device() -> Any:
     Raises:
       ValueError: the configured default device belongs to another process.
     """
-    configured = jax.config.jax_default_device
+    config: Any = jax.config  # its options are attributes JAX's stubs do not list
+    configured = config.jax_default_device
     if configured is None:
         return jax.local_devices()[0]
     if isinstance(configured, str):
@@ -263,7 +294,7 @@ def _check_sharding(sharding: Sharding, aval: Any, where: str) -> None:
     except (ValueError, TypeError) as exc:
         # Newer JAX ends with the source line of the call: ours, so dropped.
         text = str(exc).split(" This error occurs at source:")[0]
-        raise type(exc)(f"{where}: {text}") from None
+        raise reworded(exc, f"{where}: ", text) from None
     except Exception as exc:
         cheap = exc
     raise ValueError(f"{where}: sharding {sharding} does not fit shape {aval.shape}") from cheap
@@ -276,13 +307,15 @@ def _broadcast_shardings(sharding: Any, like: Any, n: int, where: str) -> list[A
     if _is_placement(sharding):
         return [placement(sharding, where)] * n
     prefix, prefix_def = jax.tree_util.tree_flatten(sharding, is_leaf=_is_placement)
+    structure: Any = prefix_def  # a PyTreeDef, which JAX's stubs leave untyped
     try:
-        subtrees = prefix_def.flatten_up_to(like)
+        subtrees = structure.flatten_up_to(like)
     except ValueError as exc:
         raise ValueError(f"{where}: sharding is not a pytree prefix of like: {exc}") from None
     out: list[Any] = []
     for s, sub in zip(prefix, subtrees, strict=True):
-        out.extend([placement(s, where)] * jax.tree_util.tree_structure(sub).num_leaves)
+        count: int = jax.tree_util.tree_structure(sub).num_leaves  # type: ignore[attr-defined]
+        out.extend([placement(s, where)] * count)
     return out
 
 
@@ -371,7 +404,7 @@ def declare_tree(specs: LeafSpecs, leaves: list[Any], sharding: Any) -> LeafSpec
                 f"(e.g. jax.ShapeDtypeStruct), got {type(leaf).__name__}"
             ) from None
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{specs.where(i)}{exc}") from None
+            raise reworded(exc, specs.where(i)) from None
         avals.append(aval)
         s = shardings[i]
         if s is None:

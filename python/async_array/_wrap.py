@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, overload
 
-from . import _core, _multiprocess
+from . import _core
 from ._array import AsyncArray
 from ._convert import convert_results
 from ._errors import frames_freed
-from ._pool import jax_work
-from ._source import Source
+from ._leaves import leaves_for
+from ._runtime import jax_work, paused_gc
 from ._spec import LeafSpecs, declare, qualname
-from ._tree import paused_gc
 
 
 def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
@@ -22,17 +21,26 @@ def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
         return convert_results(specs, holder)
 
 
-def _leaves_for(specs: LeafSpecs, future: _core.Future) -> Any:
-    """The ``AsyncArray`` leaves of one call, in the shape of ``like``."""
-    source = Source(future, specs.name, len(specs.avals), specs.key_path)
-    _multiprocess.track(specs, [source])
-    leaves = [
-        AsyncArray(source, i, aval, sharding, committed)
-        for i, (aval, sharding, committed) in enumerate(
-            zip(specs.avals, specs.shardings, specs.committed, strict=True)
-        )
-    ]
-    return leaves[0] if specs.treedef is None else specs.treedef.unflatten(leaves)
+@overload
+def async_wrap(
+    f: Callable[[], Any],
+    *,
+    shape: Sequence[int] | int,
+    dtype: Any,
+    like: None = None,
+    sharding: Any = None,
+) -> AsyncArray: ...
+
+
+@overload
+def async_wrap(
+    f: Callable[[], Any],
+    *,
+    shape: None = None,
+    dtype: None = None,
+    like: Any,
+    sharding: Any = None,
+) -> Any: ...  # a pytree of AsyncArray shaped like ``like``
 
 
 def async_wrap(
@@ -92,4 +100,4 @@ def async_wrap(
         raise TypeError(f"async_wrap: f must be callable, got {type(f).__name__}")
     with paused_gc():
         specs = declare(f"async_wrap({qualname(f)})", shape, dtype, like, sharding)
-        return _leaves_for(specs, _core.submit(_run, f, specs, label=specs.name))
+        return leaves_for(specs, _core.submit(_run, f, specs, label=specs.name))

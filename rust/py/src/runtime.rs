@@ -75,10 +75,12 @@ pub fn exiting() -> bool {
     EXITING.load(Ordering::Acquire)
 }
 
-/// At interpreter exit: cancels queued tasks; running ones are not waited for.
+/// At interpreter exit: cancels queued tasks and abandons HTTP reads (at
+/// their next chunk); running tasks are not waited for.
 #[pyfunction]
 pub fn shutdown() {
     EXITING.store(true, Ordering::Release);
+    async_array_core::safetensors::http::abandon_reads();
     pool().shutdown();
 }
 

@@ -90,7 +90,8 @@ impl SafetensorsFile {
 
 #[pymethods]
 impl SafetensorsFile {
-    /// Opens the file at `source` (a path, or an `http://`/`https://` URL)
+    /// Opens the file at `source` (a path: str, bytes or os.PathLike; or an
+    /// `http://`/`https://` URL)
     /// and reads its header (one read of at most 64 KiB, a second for a
     /// longer header), detached from the interpreter. For a URL, `timeout`
     /// (seconds, None: none) bounds each request, retries included, and
@@ -101,14 +102,18 @@ impl SafetensorsFile {
     #[pyo3(signature = (source, *, timeout=None, retries=3))]
     fn new(
         py: Python<'_>,
-        source: String,
+        source: std::path::PathBuf,
         timeout: Option<f64>,
         retries: u32,
     ) -> Result<Self, Error> {
-        let remote = source.starts_with("http://") || source.starts_with("https://");
-        let file = if remote {
+        // A path as the OS has it (str, bytes or os.PathLike, not only UTF-8);
+        // a URL is text.
+        let url = source
+            .to_str()
+            .filter(|s| s.starts_with("http://") || s.starts_with("https://"));
+        let file = if let Some(url) = url {
             let http = Http::new(timeout_from_secs(timeout)?, retries)?;
-            Backing::Remote(py.detach(|| RemoteFile::open(&source, http))?)
+            Backing::Remote(py.detach(|| RemoteFile::open(url, http))?)
         } else {
             Backing::Local(py.detach(|| LocalFile::open(&source))?)
         };
@@ -203,8 +208,9 @@ pub fn read_url_prefix(
         let mut out = Vec::new();
         let end = max_bytes.max(1);
         let total = http
-            .read_range(&url, 0, end, true, &mut |b| out.extend_from_slice(b))
-            .map_err(|f| f.at(&format!("{url}: bytes [0, {end})")))?;
+            .read_range(&url, 0, end, true, None, &mut |b| out.extend_from_slice(b))
+            .map_err(|f| f.at(&format!("{url}: bytes [0, {end})")))?
+            .total;
         Ok((out, total))
     })
 }

@@ -8,6 +8,7 @@ use super::{header_len, parse_header, TensorInfo, FIRST_READ};
 use crate::error::Error;
 use crate::sync::{lock, wait_once};
 use std::io::Read;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -18,6 +19,23 @@ use std::time::{Duration, Instant};
 /// (Python's `socketserver`: 5) dropped the rest, whose connects then waited
 /// out TCP's retransmission backoff (28 s of a 3 s load).
 pub const POOL_CONNECTIONS: usize = 8;
+
+/// Set at interpreter exit ([`abandon_reads`]): reads stop at their next
+/// chunk, retry or request, so exit need not wait for downloads that hold no
+/// Python (its grace is for tasks inside Python or JAX).
+static ABANDONED: AtomicBool = AtomicBool::new(false);
+
+/// Makes every read of this process fail at its next chunk, retry or request
+/// (interpreter exit). There is no undoing it.
+pub fn abandon_reads() {
+    ABANDONED.store(true, Ordering::Release);
+}
+
+fn abandoned() -> bool {
+    ABANDONED.load(Ordering::Acquire)
+}
+
+const ABANDONED_TEXT: &str = "abandoned at interpreter exit";
 
 /// First wait before a retry; doubled at each retry, at most [`MAX_BACKOFF`].
 pub const FIRST_BACKOFF: Duration = Duration::from_millis(100);
@@ -34,6 +52,57 @@ pub struct Http {
     pub timeout: Option<Duration>,
     /// How often a connection error or 5xx is retried.
     pub retries: u32,
+}
+
+/// What identifies the content of a file on its server at one response: its
+/// size (the `Content-Range` total), its `ETag` and `Last-Modified`. The
+/// header read's version is what every later range must match: a new upload
+/// under the same URL (a moved revision) would otherwise give tensors at the
+/// old header's offsets of the new file's bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Version {
+    /// The file's size.
+    pub total: u64,
+    /// Its `ETag`, if the server sent one.
+    pub etag: Option<String>,
+    /// Its `Last-Modified`, if the server sent one.
+    pub last_modified: Option<String>,
+}
+
+impl Version {
+    /// Why `now` is not this version's content, or None when nothing says so.
+    /// ETags decide where both responses have one; else `Last-Modified`; the
+    /// size always.
+    pub fn changed(&self, now: &Version) -> Option<String> {
+        let what = if self.total != now.total {
+            format!("its size was {} bytes, now {}", self.total, now.total)
+        } else if let (Some(a), Some(b)) = (&self.etag, &now.etag) {
+            if a == b {
+                return None;
+            }
+            format!("its ETag was {a}, now {b}")
+        } else if let (Some(a), Some(b)) = (&self.last_modified, &now.last_modified) {
+            if a == b {
+                return None;
+            }
+            format!("its Last-Modified was {a:?}, now {b:?}")
+        } else {
+            return None;
+        };
+        Some(changed_text(&what))
+    }
+
+    /// The `If-Match` value that makes the server refuse (412) a changed file:
+    /// only a strong ETag (weak ones never match under `If-Match`).
+    fn if_match(&self) -> Option<&str> {
+        self.etag.as_deref().filter(|e| !e.starts_with("W/"))
+    }
+}
+
+fn changed_text(what: &str) -> String {
+    format!(
+        "the file changed on the server since its header was read ({what}); no tensor is          read from a file whose offsets may have moved: load it again"
+    )
 }
 
 /// A counting semaphore: at most [`POOL_CONNECTIONS`] requests at once.
@@ -115,18 +184,44 @@ fn root_certs() -> Result<ureq::tls::RootCerts, Error> {
     Ok(ureq::tls::RootCerts::new_with_certs(&certs))
 }
 
+/// The process's one agent, so that its idle connections (at most
+/// [`POOL_CONNECTIONS`] per server) serve every load: an agent per load kept
+/// its own, and concurrent loads held 632 open at a server at once. It is
+/// made again when `SSL_CERT_FILE` names another file, and in a child of
+/// `fork()`, whose inherited connections are its parent's: they are
+/// forgotten there, never used nor closed (a TLS close would reach the
+/// parent's peer).
+fn shared_agent() -> Result<ureq::Agent, Error> {
+    type Made = (Option<std::ffi::OsString>, u32, ureq::Agent);
+    static AGENT: Mutex<Option<Made>> = Mutex::new(None);
+    let certs = std::env::var_os("SSL_CERT_FILE");
+    let pid = std::process::id();
+    let mut held = lock(&AGENT);
+    if let Some((made_for, made_in, agent)) = held.as_ref() {
+        if *made_in != pid {
+            std::mem::forget(held.take());
+        } else if *made_for == certs {
+            return Ok(agent.clone());
+        }
+    }
+    let tls = ureq::tls::TlsConfig::builder()
+        .root_certs(root_certs()?)
+        .build();
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .max_idle_connections_per_host(POOL_CONNECTIONS)
+        .max_idle_connections(4 * POOL_CONNECTIONS)
+        .tls_config(tls)
+        .build()
+        .into();
+    *held = Some((certs, pid, agent.clone()));
+    Ok(agent)
+}
+
 impl Http {
     /// A client with a request `timeout` and `retries`; fails when TLS cannot be set up.
     pub fn new(timeout: Option<Duration>, retries: u32) -> Result<Http, Error> {
-        let tls = ureq::tls::TlsConfig::builder()
-            .root_certs(root_certs()?)
-            .build();
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .max_idle_connections_per_host(POOL_CONNECTIONS)
-            .tls_config(tls)
-            .build()
-            .into();
+        let agent = shared_agent()?;
         Ok(Http {
             agent,
             timeout,
@@ -138,20 +233,24 @@ impl Http {
     /// once fewer than [`POOL_CONNECTIONS`] requests to its server are in flight (all files of this process),
     /// retrying connection errors, a connection lost mid-body (the next
     /// attempt asks only for the bytes not yet received) and 5xx, with
-    /// exponential backoff. Returns the file's total size from
-    /// `Content-Range`. The caller names the read: a [`Failure`] carries only
-    /// what went wrong.
+    /// exponential backoff. Returns the file's [`Version`] (its total size
+    /// from `Content-Range`). With `expect` (the header read's version), a
+    /// response of another version fails the read (and `If-Match` asks the
+    /// server to refuse one). The caller names the read: a [`Failure`]
+    /// carries only what went wrong.
     ///
     /// With `upto`, a file shorter than `end` is no error: the server's
     /// shorter range (`bytes start-(size-1)/size`) is read (a header's first read).
+    #[allow(clippy::too_many_arguments)]
     pub fn read_range(
         &self,
         url: &str,
         start: u64,
         end: u64,
         upto: bool,
+        expect: Option<&Version>,
         sink: &mut dyn FnMut(&[u8]),
-    ) -> Result<u64, Failure> {
+    ) -> Result<Version, Failure> {
         if end <= start {
             return Err(Failure::invalid("an empty range cannot be requested"));
         }
@@ -166,13 +265,14 @@ impl Http {
         let (mut end, mut upto) = (end, upto);
         loop {
             let from = start + got;
-            match self.attempt(url, from, end, upto, deadline, &mut got, sink) {
+            match self.attempt(url, from, end, upto, expect, deadline, &mut got, sink) {
                 Ok(total) => return Ok(total),
                 Err(Attempt::Fatal(f)) => return Err(f),
                 Err(Attempt::Retry {
                     detail,
                     errno,
                     total,
+                    after,
                 }) => {
                     if let Some(total) = total {
                         // The size is known now: a resumed request asks for the rest exactly.
@@ -187,14 +287,28 @@ impl Http {
                         };
                         return Err(Failure::os(detail, errno));
                     }
+                    // The server's Retry-After (429, 503) rules over the backoff.
+                    let pause = after.unwrap_or(backoff);
                     let now = Instant::now();
-                    if deadline.is_some_and(|d| now + backoff >= d) {
+                    if deadline.is_some_and(|d| now + pause >= d) {
+                        let asked = match after {
+                            Some(a) => format!(" (it asks for {} s first)", a.as_secs_f64()),
+                            None => String::new(),
+                        };
                         return Err(Failure::deadline(format!(
-                            "{detail}; no time left for a retry within the {} s timeout",
+                            "{detail}; no time left for a retry{asked} within the {} s timeout",
                             self.timeout.unwrap_or_default().as_secs_f64()
                         )));
                     }
-                    std::thread::sleep(backoff);
+                    // In slices, so that exit need not wait out a long Retry-After.
+                    let until = now + pause;
+                    while !abandoned() {
+                        let left = until.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            break;
+                        }
+                        std::thread::sleep(left.min(Duration::from_millis(50)));
+                    }
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                     attempt += 1;
                 }
@@ -211,16 +325,20 @@ impl Http {
         start: u64,
         mut end: u64,
         upto: bool,
+        expect: Option<&Version>,
         deadline: Option<Instant>,
         got: &mut u64,
         sink: &mut dyn FnMut(&[u8]),
-    ) -> Result<u64, Attempt> {
+    ) -> Result<Version, Attempt> {
         let timed_out = || {
             Attempt::Fatal(Failure::deadline(format!(
                 "not finished within the {} s timeout",
                 self.timeout.unwrap_or_default().as_secs_f64()
             )))
         };
+        if abandoned() {
+            return Err(Attempt::Fatal(Failure::io(ABANDONED_TEXT.into())));
+        }
         let left = match deadline {
             None => None,
             Some(d) => match d.checked_duration_since(Instant::now()) {
@@ -232,15 +350,16 @@ impl Http {
             detail,
             errno,
             total: None,
+            after: None,
         };
-        let response = self
+        let mut request = self
             .agent
             .get(url)
-            .header("Range", format!("bytes={start}-{}", end - 1))
-            .config()
-            .timeout_global(left)
-            .build()
-            .call();
+            .header("Range", format!("bytes={start}-{}", end - 1));
+        if let Some(etag) = expect.and_then(Version::if_match) {
+            request = request.header("If-Match", etag);
+        }
+        let response = request.config().timeout_global(left).build().call();
         let mut response = match response {
             Ok(r) => r,
             Err(ureq::Error::Timeout(_)) => return Err(timed_out()),
@@ -260,14 +379,48 @@ impl Http {
             Err(e) => return Err(Attempt::Fatal(Failure::io(e.to_string()))),
         };
         let status = response.status().as_u16();
+        let content_length = response
+            .headers()
+            .get("content-length")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        // A 200 to a range from byte 0 that covers the whole file is the
+        // file itself (RFC 9110 lets a server answer so).
+        let whole = status == 200
+            && start == 0
+            && content_length.is_some_and(|n| n > 0 && n <= end && (upto || n == end));
         match status {
             206 => {}
+            200 if whole => {}
+            429 | 503 => {
+                let after = response
+                    .headers()
+                    .get("retry-after")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| retry_after(v, std::time::SystemTime::now()));
+                let what = if status == 429 {
+                    "too many requests"
+                } else {
+                    "server error"
+                };
+                return Err(Attempt::Retry {
+                    detail: format!("HTTP {status} ({what})"),
+                    errno: None,
+                    total: None,
+                    after,
+                });
+            }
             404 | 410 => {
                 return Err(Attempt::Fatal(Failure::not_found(format!(
                     "HTTP {status} (not found)"
                 ))))
             }
             500..=599 => return Err(retry(format!("HTTP {status} (server error)"), None)),
+            412 => {
+                return Err(Attempt::Fatal(Failure::io(changed_text(
+                    "HTTP 412: its ETag no longer matches",
+                ))))
+            }
             200 => {
                 return Err(Attempt::Fatal(Failure::io(
                     "HTTP 200: the server ignored the Range request (it must answer \
@@ -289,16 +442,27 @@ impl Http {
                 .map(str::to_owned)
         };
         let content_range = header("content-range");
-        let total = content_range
-            .as_deref()
-            .and_then(|v| parse_content_range(v, start, end, upto))
-            .ok_or_else(|| {
-                Attempt::Fatal(Failure::io(format!(
-                    "wrong Content-Range {:?} (expected \"bytes {start}-{}/<size>\")",
-                    content_range.as_deref().unwrap_or("(none)"),
-                    end - 1
-                )))
-            })?;
+        let total = match content_length {
+            Some(n) if whole => Some(n),
+            _ => content_range
+                .as_deref()
+                .and_then(|v| parse_content_range(v, start, end, upto)),
+        };
+        let total = total.ok_or_else(|| {
+            Attempt::Fatal(Failure::io(format!(
+                "wrong Content-Range {:?} (expected \"bytes {start}-{}/<size>\")",
+                content_range.as_deref().unwrap_or("(none)"),
+                end - 1
+            )))
+        })?;
+        let version = Version {
+            total,
+            etag: header("etag"),
+            last_modified: header("last-modified"),
+        };
+        if let Some(why) = expect.and_then(|e| e.changed(&version)) {
+            return Err(Attempt::Fatal(Failure::io(why)));
+        }
         end = end.min(total);
         if let Some(length) = header("content-length") {
             if length.trim().parse::<u64>().ok() != Some(end - start) {
@@ -322,10 +486,14 @@ impl Http {
             detail: format!("truncated body: {got} of {wanted} bytes received{cause}"),
             errno,
             total: Some(total),
+            after: None,
         };
         while here < end - start {
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(timed_out());
+            }
+            if abandoned() {
+                return Err(Attempt::Fatal(Failure::io(ABANDONED_TEXT.into())));
             }
             let want = ((end - start - here) as usize).min(chunk.len());
             match reader.read(&mut chunk[..want]) {
@@ -353,7 +521,7 @@ impl Http {
         // Read to the end of the body (no bytes left): only then does ureq
         // give the connection back to its pool for the next request.
         let _ = reader.read(&mut chunk[..1]);
-        Ok(total)
+        Ok(version)
     }
 }
 
@@ -364,6 +532,8 @@ enum Attempt {
         detail: String,
         errno: Option<i32>,
         total: Option<u64>,
+        /// How long the server asked to wait (`Retry-After`), if it did.
+        after: Option<Duration>,
     },
     Fatal(Failure),
 }
@@ -440,6 +610,17 @@ impl Failure {
     }
 }
 
+/// The wait a `Retry-After` value asks for at `now`: delay-seconds, or an
+/// HTTP date (then the time until it; a date past is no wait).
+fn retry_after(value: &str, now: std::time::SystemTime) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let when = httpdate::parse_http_date(value).ok()?;
+    Some(when.duration_since(now).unwrap_or_default())
+}
+
 /// The total size from `Content-Range: bytes start-last/total`, if it matches
 /// the range asked for (with `upto`, or a shorter one that ends the file).
 pub fn parse_content_range(value: &str, start: u64, end: u64, upto: bool) -> Option<u64> {
@@ -463,6 +644,8 @@ pub struct RemoteFile {
     pub len: u64,
     /// Its tensors, in file order.
     pub tensors: Vec<TensorInfo>,
+    /// The file as its header was read: every tensor read must match it.
+    pub version: Version,
 }
 
 impl RemoteFile {
@@ -470,18 +653,21 @@ impl RemoteFile {
     /// second only for a longer header (never more than the file's size).
     pub fn open(url: &str, http: Http) -> Result<RemoteFile, Error> {
         let mut first = Vec::new();
-        let len = http
-            .read_range(url, 0, FIRST_READ, true, &mut |b| {
+        let version = http
+            .read_range(url, 0, FIRST_READ, true, None, &mut |b| {
                 first.extend_from_slice(b)
             })
             .map_err(|f| f.at(&format!("{url}: header (bytes [0, {FIRST_READ}))")))?;
+        let len = version.total;
         let n = header_len(url, &first, len).map_err(Error::Format)?;
         let json = if 8 + n <= first.len() as u64 {
             first[8..(8 + n) as usize].to_vec()
         } else {
             let mut rest = Vec::with_capacity(n as usize);
-            http.read_range(url, 8, 8 + n, false, &mut |b| rest.extend_from_slice(b))
-                .map_err(|f| f.at(&format!("{url}: header (bytes [8, {}))", 8 + n)))?;
+            http.read_range(url, 8, 8 + n, false, Some(&version), &mut |b| {
+                rest.extend_from_slice(b)
+            })
+            .map_err(|f| f.at(&format!("{url}: header (bytes [8, {}))", 8 + n)))?;
             rest
         };
         let tensors = parse_header(url, &json, len).map_err(Error::Format)?;
@@ -490,6 +676,7 @@ impl RemoteFile {
             http,
             len,
             tensors,
+            version,
         })
     }
 }
@@ -518,6 +705,59 @@ mod tests {
         );
         drop(taken);
         assert_eq!(*lock(&b.free), POOL_CONNECTIONS);
+    }
+
+    #[test]
+    fn a_version_changes_by_size_then_etag_then_last_modified() {
+        let v = |total, etag: Option<&str>, modified: Option<&str>| Version {
+            total,
+            etag: etag.map(str::to_owned),
+            last_modified: modified.map(str::to_owned),
+        };
+        let base = v(100, Some("\"a\""), Some("Mon"));
+        assert_eq!(base.changed(&base), None);
+        let size = base.changed(&v(164, Some("\"a\""), Some("Mon"))).unwrap();
+        assert!(size.contains("its size was 100 bytes, now 164"), "{size}");
+        let etag = base.changed(&v(100, Some("\"b\""), Some("Mon"))).unwrap();
+        assert!(etag.contains("its ETag was \"a\", now \"b\""), "{etag}");
+        // Equal ETags decide: another Last-Modified alone is no change.
+        assert_eq!(base.changed(&v(100, Some("\"a\""), Some("Tue"))), None);
+        let modified = v(100, None, Some("Mon")).changed(&v(100, None, Some("Tue")));
+        assert!(modified
+            .unwrap()
+            .contains("its Last-Modified was \"Mon\", now \"Tue\""));
+        // Nothing to compare but the size: no change seen.
+        assert_eq!(
+            v(100, None, None).changed(&v(100, Some("\"b\""), None)),
+            None
+        );
+        assert_eq!(base.if_match(), Some("\"a\""));
+        assert_eq!(v(1, Some("W/\"a\""), None).if_match(), None);
+    }
+
+    #[test]
+    fn retry_after_is_seconds_or_an_http_date() {
+        let now = httpdate::parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT").unwrap();
+        assert_eq!(retry_after("7", now), Some(Duration::from_secs(7)));
+        assert_eq!(retry_after(" 0 ", now), Some(Duration::ZERO));
+        // A date ahead asks for the time until it (any of the three forms); one past for none.
+        for ahead in [
+            "Sun, 06 Nov 1994 08:50:37 GMT",
+            "Sunday, 06-Nov-94 08:50:37 GMT",
+            "Sun Nov  6 08:50:37 1994",
+        ] {
+            assert_eq!(
+                retry_after(ahead, now),
+                Some(Duration::from_secs(60)),
+                "{ahead}"
+            );
+        }
+        assert_eq!(
+            retry_after("Sun, 06 Nov 1994 08:00:00 GMT", now),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(retry_after("soon", now), None);
+        assert_eq!(retry_after("-1", now), None);
     }
 
     #[test]

@@ -39,22 +39,61 @@ pub fn pread_exact(
 
 /// An open local safetensors file and its validated header.
 pub struct LocalFile {
-    /// The path it was opened with.
+    /// The path it was opened with (lossy where it is not UTF-8).
     pub path: String,
     /// The open file.
     pub file: File,
-    /// Its size in bytes.
+    /// Its size in bytes when the header was read.
     pub len: u64,
     /// Its tensors, in file order.
     pub tensors: Vec<TensorInfo>,
+    /// The modification time when the header was read: with `len`, what a
+    /// later read checks the file against (see [`LocalFile::changed`]).
+    pub modified: Option<std::time::SystemTime>,
 }
 
 impl LocalFile {
     /// Opens `path` and reads its header: one read of at most [`FIRST_READ`]
     /// bytes, a second only for a longer header.
-    pub fn open(path: &str) -> Result<LocalFile, Error> {
-        let file = File::open(path).map_err(|e| Error::from_io(path, &e))?;
-        let len = file.metadata().map_err(|e| Error::from_io(path, &e))?.len();
+    ///
+    /// Anything but a regular file is refused: opening a FIFO for reading
+    /// would block until a writer came (so it is opened non-blocking, then
+    /// checked), and a device or socket has no stable size to check reads by.
+    pub fn open(path: &std::path::Path) -> Result<LocalFile, Error> {
+        use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path);
+        // Messages show a path that is not UTF-8 with its bytes replaced.
+        let shown = path.to_string_lossy();
+        let path: &str = &shown;
+        let file = opened.map_err(|e| Error::from_io(path, &e))?;
+        let meta = file.metadata().map_err(|e| Error::from_io(path, &e))?;
+        let kind = meta.file_type();
+        if kind.is_dir() {
+            return Err(Error::Os {
+                errno: libc::EISDIR,
+                message: format!("{path}: is a directory, not a safetensors file"),
+            });
+        }
+        if !kind.is_file() {
+            let what = if kind.is_fifo() {
+                "a FIFO (named pipe)"
+            } else if kind.is_socket() {
+                "a socket"
+            } else if kind.is_block_device() || kind.is_char_device() {
+                "a device"
+            } else {
+                "not a regular file"
+            };
+            return Err(Error::InvalidArgument(format!(
+                "{path}: is {what}; a safetensors file must be a regular file \
+                 (its tensors are read at offsets)"
+            )));
+        }
+        let len = meta.len();
+        let modified = meta.modified().ok();
         let invalid = Error::Format;
         let mut first = vec![0u8; FIRST_READ.min(len) as usize];
         let what = format!("{path}: header (bytes [0, {}))", first.len());
@@ -79,7 +118,27 @@ impl LocalFile {
             file,
             len,
             tensors,
+            modified,
         })
+    }
+
+    /// Why the file is no longer as its header was read (written to since:
+    /// another size or modification time), or None. Reads go through the
+    /// descriptor opened with the header, so a file replaced by a rename
+    /// reads on consistently; one rewritten in place is caught here.
+    pub fn changed(&self) -> Option<String> {
+        let what = match self.file.metadata() {
+            Err(e) => format!("it cannot be checked: {e}"),
+            Ok(m) if m.len() != self.len => {
+                format!("its size was {} bytes, now {}", self.len, m.len())
+            }
+            Ok(m) if m.modified().ok() != self.modified => "it was modified".to_owned(),
+            Ok(_) => return None,
+        };
+        Some(format!(
+            "the file changed since its header was read ({what}); no tensor is read from a \
+             file whose offsets may have moved: load it again"
+        ))
     }
 }
 

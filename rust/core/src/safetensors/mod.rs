@@ -70,11 +70,35 @@ pub enum Dtype {
     F8E4m3,
     /// `F8_E5M2`
     F8E5m2,
+    /// `F8_E8M0`
+    F8E8m0,
+    /// `F8_E4M3FNUZ`
+    F8E4m3Fnuz,
+    /// `F8_E5M2FNUZ`
+    F8E5m2Fnuz,
+    /// `C64`
+    C64,
 }
+
+/// Safetensors dtypes with no JAX dtype of the same layout: refused, saying why.
+const LACKING: [(&str, &str); 3] = [
+    (
+        "F4",
+        "4-bit floats packed two to a byte; JAX's float4_e2m1fn takes a byte each",
+    ),
+    (
+        "F6_E2M3",
+        "6-bit floats packed four to three bytes; JAX has no 6-bit float",
+    ),
+    (
+        "F6_E3M2",
+        "6-bit floats packed four to three bytes; JAX has no 6-bit float",
+    ),
+];
 
 impl Dtype {
     /// Every dtype, in declaration order.
-    pub const ALL: [Dtype; 15] = [
+    pub const ALL: [Dtype; 19] = [
         Dtype::Bool,
         Dtype::U8,
         Dtype::I8,
@@ -90,6 +114,10 @@ impl Dtype {
         Dtype::F64,
         Dtype::F8E4m3,
         Dtype::F8E5m2,
+        Dtype::F8E8m0,
+        Dtype::F8E4m3Fnuz,
+        Dtype::F8E5m2Fnuz,
+        Dtype::C64,
     ];
 
     /// The name in a safetensors header.
@@ -110,6 +138,10 @@ impl Dtype {
             Dtype::F64 => "F64",
             Dtype::F8E4m3 => "F8_E4M3",
             Dtype::F8E5m2 => "F8_E5M2",
+            Dtype::F8E8m0 => "F8_E8M0",
+            Dtype::F8E4m3Fnuz => "F8_E4M3FNUZ",
+            Dtype::F8E5m2Fnuz => "F8_E5M2FNUZ",
+            Dtype::C64 => "C64",
         }
     }
 
@@ -132,16 +164,27 @@ impl Dtype {
             Dtype::F64 => "float64",
             Dtype::F8E4m3 => "float8_e4m3fn",
             Dtype::F8E5m2 => "float8_e5m2",
+            Dtype::F8E8m0 => "float8_e8m0fnu",
+            Dtype::F8E4m3Fnuz => "float8_e4m3fnuz",
+            Dtype::F8E5m2Fnuz => "float8_e5m2fnuz",
+            Dtype::C64 => "complex64",
         }
     }
 
     /// Bytes per element.
     pub fn itemsize(self) -> u64 {
         match self {
-            Dtype::Bool | Dtype::U8 | Dtype::I8 | Dtype::F8E4m3 | Dtype::F8E5m2 => 1,
+            Dtype::Bool
+            | Dtype::U8
+            | Dtype::I8
+            | Dtype::F8E4m3
+            | Dtype::F8E5m2
+            | Dtype::F8E8m0
+            | Dtype::F8E4m3Fnuz
+            | Dtype::F8E5m2Fnuz => 1,
             Dtype::U16 | Dtype::I16 | Dtype::F16 | Dtype::Bf16 => 2,
             Dtype::U32 | Dtype::I32 | Dtype::F32 => 4,
-            Dtype::U64 | Dtype::I64 | Dtype::F64 => 8,
+            Dtype::U64 | Dtype::I64 | Dtype::F64 | Dtype::C64 => 8,
         }
     }
 
@@ -204,30 +247,82 @@ fn at(file: &str, name: &str) -> String {
     format!("{file}: tensor {name:?}")
 }
 
+/// The members of a JSON object in the order of the text, duplicates kept
+/// (a `serde_json::Map` keeps only the last of a duplicated key, and the
+/// earlier one would go unchecked).
+struct Members(Vec<(String, Value)>);
+
+impl<'de> serde::Deserialize<'de> for Members {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Members, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Members;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Members, A::Error> {
+                let mut members = Vec::with_capacity(map.size_hint().unwrap_or(0));
+                while let Some(member) = map.next_entry::<String, Value>()? {
+                    members.push(member);
+                }
+                Ok(Members(members))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
 /// Parses and validates the JSON header `json` (the bytes after the length)
 /// of a file of `file_len` bytes. Tensors come back in file order (by start
-/// offset). Checks: a JSON object; each entry an object with a known dtype, a
-/// shape of non-negative integers and two data offsets; offsets within the
-/// data, end - begin = product(shape) x itemsize, no two tensors overlapping.
+/// offset). Checks, at least as strict as the `safetensors` package's own
+/// reader: a JSON object without duplicate keys; `__metadata__` absent, null
+/// or an object of strings (so no tensor can be named `__metadata__`); each
+/// other entry an object with a known dtype, a shape of non-negative integers
+/// and two data offsets; end - begin = product(shape) x itemsize; and the
+/// tensors covering the data section exactly once: no overlap, no gap, no
+/// byte after the last tensor (safetensors refuses such files so that a file
+/// cannot also be another format).
 pub fn parse_header(file: &str, json: &[u8], file_len: u64) -> Result<Vec<TensorInfo>, String> {
     let data_start = 8 + json.len() as u64;
     let hdr = format!("{file}: header (bytes [8, {data_start}))");
-    let value: Value =
-        serde_json::from_slice(json).map_err(|e| format!("{hdr} is not valid JSON: {e}"))?;
-    let Value::Object(map) = value else {
-        return Err(format!(
-            "{hdr} is not a JSON object: it is {}",
-            json_kind(&value)
-        ));
-    };
-    let data_len = file_len - data_start;
-    let mut tensors = Vec::with_capacity(map.len());
-    for (name, entry) in &map {
-        if name == "__metadata__" {
-            if !matches!(entry, Value::Object(_)) {
+    let members = match serde_json::from_slice::<Members>(json) {
+        Ok(Members(members)) => members,
+        // Parsed again only to say what is wrong.
+        Err(e) => match serde_json::from_slice::<Value>(json) {
+            Err(e) => return Err(format!("{hdr} is not valid JSON: {e}")),
+            Ok(value) if !value.is_object() => {
                 return Err(format!(
-                    "{hdr}: __metadata__ must be an object of strings, got {}",
-                    json_kind(entry)
+                    "{hdr} is not a JSON object: it is {}",
+                    json_kind(&value)
+                ))
+            }
+            Ok(_) => return Err(format!("{hdr} is not valid JSON: {e}")),
+        },
+    };
+    let mut names: Vec<&str> = members.iter().map(|(name, _)| name.as_str()).collect();
+    names.sort_unstable();
+    if let Some(pair) = names.windows(2).find(|pair| pair[0] == pair[1]) {
+        return Err(format!(
+            "{hdr}: key {:?} appears more than once (a header names each tensor once)",
+            pair[0]
+        ));
+    }
+    let data_len = file_len - data_start;
+    let mut tensors = Vec::with_capacity(members.len());
+    for (name, entry) in &members {
+        if name == "__metadata__" {
+            let strings = match entry {
+                Value::Null => true,
+                Value::Object(m) => m.values().all(Value::is_string),
+                _ => false,
+            };
+            if !strings {
+                return Err(format!(
+                    "{hdr}: __metadata__ must be null or an object of strings (it names no \
+                     tensor), got {entry:.200}"
                 ));
             }
             continue;
@@ -244,10 +339,11 @@ pub fn parse_header(file: &str, json: &[u8], file_len: u64) -> Result<Vec<Tensor
             None => return Err(format!("{here}: the header entry has no dtype")),
             Some(Value::String(s)) => Dtype::from_name(s).ok_or_else(|| {
                 let known: Vec<_> = Dtype::ALL.iter().map(|d| d.name()).collect();
-                format!(
-                    "{here}: unknown or unsupported dtype {s:?} (JAX has {})",
-                    known.join(", ")
-                )
+                let why = match LACKING.iter().find(|(name, _)| name == s) {
+                    Some((_, why)) => format!("dtype {s:?} cannot be loaded: {why}"),
+                    None => format!("unknown dtype {s:?}"),
+                };
+                format!("{here}: {why} (the dtypes loaded: {})", known.join(", "))
             })?,
             Some(other) => {
                 return Err(format!(
@@ -321,6 +417,18 @@ pub fn parse_header(file: &str, json: &[u8], file_len: u64) -> Result<Vec<Tensor
         });
     }
     tensors.sort_by_key(|t| (t.start, t.end));
+    let uncovered = |from: u64, to: u64, where_: String| {
+        format!(
+            "{file}: file bytes [{from}, {to}) {where_} belong to no tensor: the tensors \
+             must cover the data section exactly, as safetensors requires"
+        )
+    };
+    if let Some(first) = tensors.first() {
+        if first.start > data_start {
+            let where_ = format!("before tensor {:?}", first.name);
+            return Err(uncovered(data_start, first.start, where_));
+        }
+    }
     for pair in tensors.windows(2) {
         let (a, b) = (&pair[0], &pair[1]);
         if b.start < a.end {
@@ -329,6 +437,18 @@ pub fn parse_header(file: &str, json: &[u8], file_len: u64) -> Result<Vec<Tensor
                 a.name, a.start, a.end, b.name, b.start, b.end
             ));
         }
+        if b.start > a.end {
+            let where_ = format!("between tensors {:?} and {:?}", a.name, b.name);
+            return Err(uncovered(a.end, b.start, where_));
+        }
+    }
+    let end = tensors.last().map_or(data_start, |t| t.end);
+    if end < file_len {
+        let where_ = match tensors.last() {
+            Some(t) => format!("after the last tensor, {:?},", t.name),
+            None => "after a header of no tensor".to_owned(),
+        };
+        return Err(uncovered(end, file_len, where_));
     }
     Ok(tensors)
 }
@@ -386,7 +506,12 @@ mod tests {
             (
                 r#"{"a":{"dtype":"Q9","shape":[1],"data_offsets":[0,4]}}"#,
                 4,
-                "unknown",
+                "unknown dtype \"Q9\" (the dtypes loaded: BOOL, U8, ",
+            ),
+            (
+                r#"{"a":{"dtype":"F4","shape":[2],"data_offsets":[0,1]}}"#,
+                1,
+                "dtype \"F4\" cannot be loaded: 4-bit floats packed two to a byte",
             ),
             (
                 r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,8]}}"#,
@@ -410,12 +535,69 @@ mod tests {
                 "overlap",
             ),
             ("{not json", 0, "not valid JSON"),
+            // Stricter than a JSON parser, as strict as safetensors:
+            (
+                "{} ",
+                1,
+                "bytes [11, 12) after a header of no tensor belong to no tensor",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+                8,
+                "before tensor \"a\" belong to no tensor",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},
+                   "b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}"#,
+                12,
+                "between tensors \"a\" and \"b\" belong to no tensor",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+                5,
+                "after the last tensor, \"a\", belong to no tensor",
+            ),
+            (
+                r#"{"__metadata__":{"a":1}}"#,
+                0,
+                "must be null or an object of strings",
+            ),
+            (
+                r#"{"__metadata__":[]}"#,
+                0,
+                "must be null or an object of strings",
+            ),
+            (
+                r#"{"__metadata__":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+                4,
+                "must be null or an object of strings",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},
+                   "a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+                4,
+                "key \"a\" appears more than once",
+            ),
         ];
         for (json, data, want) in cases {
             let err = parse(json, data).unwrap_err();
             assert!(err.contains(want), "{json}: {err}");
             assert!(err.starts_with("f: "), "{err}");
         }
+    }
+
+    #[test]
+    fn null_metadata_and_zero_sized_tensors_are_accepted() {
+        let t = parse(
+            r#"{"__metadata__":null,
+                "e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]},
+                "a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+            4,
+        )
+        .unwrap();
+        let names: Vec<_> = t.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["a", "e"]);
+        assert!(parse("{}", 0).unwrap().is_empty());
     }
 
     #[test]

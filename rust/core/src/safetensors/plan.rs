@@ -272,8 +272,15 @@ impl Plan {
 
     /// Reads every output from a local file. An output fails alone (its
     /// error names it); the others are still read.
+    ///
+    /// The file is checked against its header read before and after the
+    /// reads ([`LocalFile::changed`]): after a change every output fails.
     pub fn read_local(&self, file: &LocalFile) -> Vec<Result<AlignedBuf, Error>> {
         let mut results = self.allocate();
+        if let Some(why) = file.changed() {
+            self.fail_all(&file.path, &file.tensors, &why, &mut results);
+            return results;
+        }
         let mut i = 0;
         while i < self.pieces.len() {
             // Pieces that follow each other in the file: one preadv.
@@ -313,7 +320,26 @@ impl Plan {
                 self.fail_group(&file.path, &file.tensors, group, &failure, &mut results);
             }
         }
+        if let Some(why) = file.changed() {
+            self.fail_all(&file.path, &file.tensors, &why, &mut results);
+        }
         results
+    }
+
+    /// Fails every output not failed yet with `why` (an `OSError`), each
+    /// error naming its own tensor and bytes.
+    fn fail_all(
+        &self,
+        source: &str,
+        tensors: &[TensorInfo],
+        why: &str,
+        results: &mut [Result<AlignedBuf, Error>],
+    ) {
+        for (out, result) in results.iter_mut().enumerate() {
+            if result.is_ok() {
+                *result = Err(Failure::io(why.to_owned()).at(&self.here(source, tensors, out)));
+            }
+        }
     }
 
     /// Reads every output over HTTP: pieces at most [`HTTP_GAP`] bytes apart
@@ -342,9 +368,13 @@ impl Plan {
             let start = group[0].src;
             let mut pos = start;
             let mut k = 0;
-            let read = file
-                .http
-                .read_range(&file.url, start, end, false, &mut |mut chunk| {
+            let read = file.http.read_range(
+                &file.url,
+                start,
+                end,
+                false,
+                Some(&file.version),
+                &mut |mut chunk| {
                     count_tensor_bytes(chunk.len() as u64);
                     while !chunk.is_empty() && k < group.len() {
                         let p = group[k];
@@ -372,7 +402,8 @@ impl Plan {
                             k += 1;
                         }
                     }
-                });
+                },
+            );
             if let Err(failure) = read {
                 self.fail_group(&file.url, &file.tensors, group, &failure, &mut results);
             }
@@ -455,7 +486,7 @@ mod tests {
         bytes.extend_from_slice(json.as_bytes());
         bytes.extend_from_slice(&data);
         std::fs::write(&path, &bytes).unwrap();
-        let file = LocalFile::open(path.to_str().unwrap()).unwrap();
+        let file = LocalFile::open(&path).unwrap();
         let mut plan = Plan::default();
         for c in 0..3 {
             plan.add(&file.tensors, 0, Some(&[(1, 4), (c * 4, c * 4 + 4)]))

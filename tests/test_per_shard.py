@@ -1,4 +1,4 @@
-"""Per-shard loading (issue 16 items 1, 2): ``aa.make_array_from_callback`` and
+"""Per-shard loading: ``aa.make_array_from_callback`` and
 ``aa.async_map(..., per_shard=True)`` on the four CPU devices of ``conftest.py``."""
 
 import threading
@@ -261,6 +261,10 @@ class _FakeSource:
     def __init__(self, future, number):
         self.future = future
         self.global_ids = [number]
+
+    def swap_future(self, future):  # as Source.swap_future
+        replaced, self.future = self.future, future
+        return replaced
 
 
 def test_a_spanning_call_is_confirmed_once_after_its_last_leaf(monkeypatch):

@@ -1,4 +1,4 @@
-"""Placement (issue 16): every placement ``jax.device_put`` accepts, for every
+"""Placement: every placement ``jax.device_put`` accepts, for every
 kind of result, and the default device as ``jnp.asarray`` picks it.
 
 Runs on the four CPU devices ``conftest.py`` asks for.

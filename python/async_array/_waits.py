@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import gc
 import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
@@ -19,56 +18,14 @@ import jax
 
 from . import _core
 from ._array import AsyncArray, source_of, where_of
-from ._core import WaitCycleError
-from ._errors import waiting_on
+from ._errors import WaitCycleError, waiting_on
+from ._runtime import paused_gc
 from ._source import pending
 from ._spec import timeout_seconds
 
 FIRST_COMPLETED = "FIRST_COMPLETED"
 FIRST_EXCEPTION = "FIRST_EXCEPTION"
 ALL_COMPLETED = "ALL_COMPLETED"
-
-
-# Threads inside a paused_gc window, and whether the collector was enabled
-# when the first of them entered (the last one out restores it).
-_pause_lock = threading.Lock()
-_pause_depth = 0
-_pause_restores = False
-
-
-@contextlib.contextmanager
-def paused_gc() -> Generator[None, None, None]:
-    """Pauses the cyclic garbage collector while a tree's leaves are made or
-    resolved in bulk: they are acyclic, and collections triggered by the
-    allocation count alone cost several microseconds a leaf on large trees.
-
-    Windows may overlap across threads: the collector resumes when the last
-    one ends. When the young generation is then due a collection (more tracked
-    objects than its threshold, 700 by default), its objects go to the oldest
-    generation at once (``gc.freeze`` then ``gc.unfreeze``, an O(1) list
-    splice) instead of being walked by that collection: on 300k leaves that one
-    collection took 0.2-0.6 s with the GIL held, and a Ctrl-C waited for it (up
-    to 330 ms measured; 58 ms with the splice); on 1k leaves the collections
-    after the windows cost ~0.3-1.2 ms a call (a tenth of it). At most a
-    threshold's worth of objects made outside the windows goes along (the
-    collector would have run otherwise). Skipped when the program froze objects
-    itself, whose freeze it would undo."""
-    global _pause_depth, _pause_restores
-    with _pause_lock:
-        if _pause_depth == 0:
-            _pause_restores = gc.isenabled()
-            gc.disable()
-        _pause_depth += 1
-    try:
-        yield
-    finally:
-        with _pause_lock:
-            _pause_depth -= 1
-            if _pause_depth == 0 and _pause_restores:
-                if gc.get_count()[0] > gc.get_threshold()[0] and gc.get_freeze_count() == 0:
-                    gc.freeze()
-                    gc.unfreeze()
-                gc.enable()
 
 
 def failure_of(leaf: AsyncArray) -> BaseException | None:
@@ -110,7 +67,7 @@ def resolve_all(
       TypeError: ``timeout`` is not a number nor None.
       TimeoutError: some leaf not ready within ``timeout`` seconds; it names
         the failures already known.
-      RuntimeError: (``async_array._core.WaitCycleError``) called inside a
+      async_array.WaitCycleError: (a RuntimeError) called inside a
         pool task that a waited leaf waits for (directly or through other
         tasks), so the wait could never end but by its timeout; raised when
         the wait starts, naming the leaf and the calls in the cycle.
@@ -153,7 +110,7 @@ def materialize(tree: Any, timeout: float | None = None) -> Any:
     Raises:
       TimeoutError: some leaf not ready within ``timeout`` seconds (naming
         the failures already known).
-      RuntimeError: (``async_array._core.WaitCycleError``) called inside a
+      async_array.WaitCycleError: (a RuntimeError) called inside a
         pool task that a waited leaf waits for (directly or through other
         tasks), so the wait could never end but by its timeout; raised when
         the wait starts, naming the leaf and the calls in the cycle.
@@ -169,10 +126,10 @@ def materialize(tree: Any, timeout: float | None = None) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     values = resolve_all(leaves, timeout, "aa.materialize")
     with paused_gc():
-        return treedef.unflatten(values)
+        return treedef.unflatten(values)  # type: ignore[attr-defined]
 
 
-class Pending(NamedTuple):
+class TreePending(NamedTuple):
     """The tasks behind a tree's pending leaves, grouped: ``futures[k]``
     produces the leaves at ``leaves[k]`` (indices into ``paths``)."""
 
@@ -182,7 +139,7 @@ class Pending(NamedTuple):
     ready: list[int]
 
 
-def _pending(tree: Any, distinct: bool = False) -> Pending:
+def _pending(tree: Any, distinct: bool = False) -> TreePending:
     """The tree's ``AsyncArray`` leaves with their key paths, grouped by task;
     with ``distinct``, a leaf that appears twice is kept at its first path."""
     with paused_gc():
@@ -193,9 +150,14 @@ def _pending(tree: Any, distinct: bool = False) -> Pending:
         ]
         if distinct:
             seen: set[int] = set()
-            flat = [pair for pair in flat if not (id(pair[1]) in seen or seen.add(id(pair[1])))]
+            unique = []
+            for pair in flat:
+                if id(pair[1]) not in seen:
+                    seen.add(id(pair[1]))
+                    unique.append(pair)
+            flat = unique
         found = pending(source_of(leaf) for _, leaf in flat)
-        return Pending(flat, found.futures, found.groups, found.ready)
+        return TreePending(flat, found.futures, found.groups, found.ready)
 
 
 class DoneAndNotDone(NamedTuple):
@@ -226,7 +188,7 @@ def wait(
 
     Raises:
       ValueError: an unknown ``return_when``.
-      RuntimeError: (``async_array._core.WaitCycleError``) called inside a
+      async_array.WaitCycleError: (a RuntimeError) called inside a
         pool task that a waited leaf waits for (directly or through other
         tasks), so the wait could never end but by its timeout (for
         ``FIRST_COMPLETED``: every pending leaf does); raised when
@@ -242,14 +204,15 @@ def wait(
     p = _pending(tree)
     with _naming_cycles(p):
         _wait(p, timeout, return_when)
-    done, not_done = [], []
+    done: list[tuple[Any, AsyncArray]] = []
+    not_done: list[tuple[Any, AsyncArray]] = []
     for pair in p.paths:
         (done if pair[1].done() else not_done).append(pair)
     return DoneAndNotDone(done, not_done)
 
 
 @contextlib.contextmanager
-def _naming_cycles(p: Pending) -> Generator[None, None, None]:
+def _naming_cycles(p: TreePending) -> Generator[None, None, None]:
     """Rewords a cycle the core found in a wait on ``p.futures`` to name the
     first leaf of the task that leads back."""
     try:
@@ -259,7 +222,7 @@ def _naming_cycles(p: Pending) -> Generator[None, None, None]:
         raise waiting_on(exc, where_of(leaf)) from None
 
 
-def _wait(p: Pending, timeout: float | None, return_when: str) -> None:
+def _wait(p: TreePending, timeout: float | None, return_when: str) -> None:
     if p.futures:
         if return_when == ALL_COMPLETED:
             _core.wait_all(p.futures, timeout)
@@ -297,7 +260,7 @@ def as_completed(tree: Any, timeout: float | None = None) -> Iterator[tuple[Any,
     Raises:
       TypeError: ``timeout`` is not a number nor None (at the call).
       TimeoutError: leaves still pending after ``timeout`` seconds.
-      RuntimeError: (``async_array._core.WaitCycleError``) called inside a
+      async_array.WaitCycleError: (a RuntimeError) called inside a
         pool task that a waited leaf waits for (directly or through other
         tasks), so the wait could never end but by its timeout (checked
         at each step, over the leaves not yet yielded); raised when
@@ -309,16 +272,14 @@ def as_completed(tree: Any, timeout: float | None = None) -> Iterator[tuple[Any,
     return _as_completed(_pending(tree, distinct=True), timeout)
 
 
-def _as_completed(p: Pending, timeout: float | None) -> Iterator[tuple[Any, jax.Array]]:
+def _as_completed(p: TreePending, timeout: float | None) -> Iterator[tuple[Any, jax.Array]]:
+    # Each pair is built by _take and yielded straight away: the generator's
+    # frame never binds a yielded leaf or value, so a caller that drops them
+    # frees them while the iteration goes on.
     deadline = None if timeout is None else time.monotonic() + timeout
     paths = p.paths
     for i in p.ready:
-        path, leaf = paths[i]
-        paths[i] = None  # type: ignore[call-overload]
-        value = leaf.result()
-        del leaf
-        yield path, value
-        del path, value
+        yield _take(paths, i)
     if not p.futures:
         return
     watcher = _core.Watcher(p.futures)
@@ -333,12 +294,14 @@ def _as_completed(p: Pending, timeout: float | None) -> Iterator[tuple[Any, jax.
             raise not_ready("aa.as_completed", [pair[1] for pair in paths if pair], timeout)
         futures[k] = None  # type: ignore[call-overload]
         for i in p.leaves[k]:
-            path, leaf = paths[i]
-            paths[i] = None  # type: ignore[call-overload]
-            value = leaf.result()
-            del leaf
-            yield path, value
-            del path, value
+            yield _take(paths, i)
+
+
+def _take(paths: list[tuple[Any, AsyncArray]], i: int) -> tuple[Any, jax.Array]:
+    """``(key_path, value)`` of the i-th leaf, forgotten by ``paths``."""
+    path, leaf = paths[i]
+    paths[i] = None  # type: ignore[call-overload]
+    return path, leaf.result()
 
 
 def future(tree: Any) -> concurrent.futures.Future:
@@ -374,6 +337,7 @@ def future(tree: Any) -> concurrent.futures.Future:
 def _settle_tree(out: concurrent.futures.Future, tree: Any) -> None:
     if out.done():
         return
+    failed: BaseException | None
     try:
         value = materialize(tree, 0)
     except BaseException as exc:  # a leaf's failure, for the future to hold

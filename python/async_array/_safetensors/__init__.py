@@ -1,0 +1,254 @@
+"""``load_safetensors``: safetensors weights read by the Rust core, without
+the GIL, straight into ``HostBuffer``s that JAX takes without a copy."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, overload
+
+import jax
+import numpy as np
+
+from .. import _core
+from .._array import AsyncArray
+from .._leaves import fail_all_if_failed, one_source_a_leaf, specs_and_paths
+from .._runtime import paused_gc
+from .._source import Call
+from .._spec import numpy_dtype, timeout_seconds
+from ._plan import Load
+from ._progress import progress_callback
+from ._read import read_job
+from ._sources import NAME, open_all, source_text, tensor_name
+
+
+@overload
+def load_safetensors(
+    source: str | os.PathLike[str] | bytes,
+    *,
+    like: None = None,
+    sharding: Any = None,
+    max_bytes_in_flight: int | None = None,
+    timeout: float | None = None,
+    retries: int = 3,
+    progress: bool | Callable[[int, int], object] = False,
+) -> dict[str, AsyncArray]: ...
+
+
+@overload
+def load_safetensors(
+    source: str | os.PathLike[str] | bytes,
+    *,
+    like: Mapping[str, Any],
+    sharding: Any = None,
+    max_bytes_in_flight: int | None = None,
+    timeout: float | None = None,
+    retries: int = 3,
+    progress: bool | Callable[[int, int], object] = False,
+) -> dict[str, Any]: ...
+
+
+def load_safetensors(
+    source: Any,
+    *,
+    like: Any = None,
+    sharding: Any = None,
+    max_bytes_in_flight: int | None = None,
+    timeout: float | None = None,
+    retries: int = 3,
+    progress: Any = False,
+) -> dict[str, Any]:
+    """Loads the tensors of safetensors files as ``AsyncArray`` leaves.
+
+    The header is read and validated completely by the Rust core (one read of
+    at most 64 KiB per file); then each tensor is read on the pool, without the
+    GIL, straight into a 64-byte-aligned ``HostBuffer`` that JAX takes with no
+    copy (DLPack): ``pread`` for a file (neighbouring tensors under 64 KiB
+    share one pool task, up to 1 MiB; at most as many tasks at once as the
+    process has usable cores less one, at least one, so a compile beside the
+    load keeps a core); for a URL, HTTP range requests on a small pool of
+    keep-alive connections (at most 8 requests per server), neighbouring tensors under 1 MiB in
+    one request (at most 4 MiB, skipping at most 64 KiB between two). A leaf
+    is ready as soon as the read that holds its tensor is.
+
+    Args:
+      source: a path (``str`` or ``os.PathLike``), a ``file://`` URL or an
+        ``http://``/``https://`` URL of a ``.safetensors`` file, or of a
+        ``model.safetensors.index.json`` (a name ending in ``.json``) whose
+        ``weight_map`` names the files (beside the index) that hold each
+        tensor. HTTPS trusts Mozilla's roots, or the PEM certificates of
+        ``$SSL_CERT_FILE`` when set. The server must answer Range requests
+        (206 Partial Content).
+      like: None, or the tensors to load and what they must be: a flat dict
+        ``{name: spec}`` or a nested dict whose key paths joined with ``"."``
+        are the names (as flax's ``unflatten_dict(sep=".")`` makes them); each
+        spec has ``.shape`` and ``.dtype`` (``jax.ShapeDtypeStruct``). The
+        leaves are returned at once, before any header is read; a tensor
+        missing from the files fails its leaf with ``KeyError``, one whose
+        shape or dtype differs with ``ValueError`` naming the tensor, the
+        expected and the found shape and dtype. Tensors that ``like`` lacks
+        are not read.
+      sharding: None (each leaf lands uncommitted on the default device,
+        as ``async_wrap``'s), or where to put the tensors, as
+        ``jax.device_put`` takes it: one placement for every tensor, or a
+        dict of them shaped like the result (by tensor name, or nested as
+        ``like``); a placement is a ``NamedSharding`` (sharded, partially
+        replicated or replicated), a ``SingleDeviceSharding``, a
+        ``jax.Device``, or a ``PartitionSpec`` under ``jax.set_mesh``. A
+        ``like`` leaf's own ``.sharding`` is used where this is None. Each
+        tensor is read once per distinct index among this process's devices
+        (a replica is read once and placed on every local device holding
+        it); under ``jax.distributed`` each process reads only its shards
+        and the leaf is the global array. A shard split on axis 0 is one
+        byte range; split on a later axis it is one run of bytes a row:
+        from a file exactly those runs are read (``preadv`` into the shard's
+        memory), over HTTP runs at most 64 KiB apart share one request.
+      max_bytes_in_flight: at most this many bytes (int, > 0) are allocated
+        for tensors (or shards) and not yet handed to JAX; a read larger than
+        this runs alone. None: no bound.
+      timeout: seconds (a positive number; None: none) that each HTTP request
+        may take in all, from connecting to its last byte, its retries
+        included: a server that trickles bytes fails within it. Files take
+        no timeout.
+      retries: how often (an int from 0 to 2**32 - 1) an HTTP request that
+        failed to connect, lost its connection (before or during the body:
+        the retry asks only for the bytes not yet received), or got a 5xx or
+        429 is retried, after 0.1 s, then twice as long each time (at most
+        5 s), or after the ``Retry-After`` of a 429 or 503 (seconds or an HTTP
+        date; one beyond ``timeout`` fails at once).
+      progress: False; True for one ``tqdm`` progress bar on stderr (bytes,
+        MB/s, ETA; nothing when ``tqdm`` is not installed); or a callable,
+        called on a pool thread as ``progress(bytes_done, bytes_total)``: once
+        with 0 as the first read starts, then after each read, one call at a
+        time and ``bytes_done`` always growing. ``bytes_total`` counts the
+        tensor bytes this process reads (its shards), not the file's size.
+
+    Returns:
+      A dict of ``AsyncArray`` by tensor name in file order (``like=None``), or
+      a tree shaped like ``like``, each leaf committed to its sharding when
+      one is given. Shapes are the header's (global shapes); dtypes are the
+      header's (``BOOL`` bool, ``U8``-``U64``/``I8``-``I64`` uint8-uint64 and
+      int8-int64, ``F16`` float16, ``BF16`` bfloat16, ``F32`` float32, ``F64``
+      float64, ``C64`` complex64, ``F8_E4M3`` float8_e4m3fn, ``F8_E5M2``
+      float8_e5m2, ``F8_E8M0`` float8_e8m0fnu, ``F8_E4M3FNUZ`` and
+      ``F8_E5M2FNUZ`` float8_e4m3fnuz and float8_e5m2fnuz), except
+      that with ``jax_enable_x64`` off 64-bit tensors come as their 32-bit
+      types (values checked: one that does not fit fails its leaf with
+      ``OverflowError``).
+
+    Raises:
+      FileNotFoundError: no such file, or HTTP 404 (at the call when ``like``
+        is None, else from every leaf).
+      ValueError: a malformed header: length beyond the file, not a JSON
+        object, a duplicate key, ``__metadata__`` not null nor an object of
+        strings, a missing or unknown dtype, offsets out of bounds or not
+        matching shape x itemsize, tensors overlapping or leaving data bytes
+        uncovered (as safetensors refuses); the message names the file, the
+        tensor and the byte range. Nothing larger than the file is allocated.
+        A local source that is not a regular file (a FIFO), at the call.
+      OSError: (from the leaves read after it) the source changed since its
+        header was read: another size, ETag or Last-Modified over HTTP,
+        another size or modification time for a file.
+      OSError: a read failed: 5xx, connection errors or a body cut short
+        beyond ``retries``, a wrong ``Content-Range`` or ``Content-Length``, a
+        server that ignores Range, a refused certificate. Each leaf of that
+        read fails with its own error, naming the URL or path, its own tensor
+        (and shard) and its own byte range, never a neighbour's. Where the OS
+        gave an error number it is the exception's ``errno``, and the type is
+        Python's subclass for it, as ``open()`` and ``socket`` raise them
+        (``ConnectionRefusedError``, ``ConnectionResetError``,
+        ``IsADirectoryError``, ``PermissionError``).
+      TimeoutError: a request ran past ``timeout``.
+      KeyError: an index names a tensor its file lacks.
+      FileNotFoundError: an index names a file that does not exist (the
+        message names the index, the file and the tensors it was to hold; for
+        a local file ``errno`` is ``ENOENT`` and ``filename`` its path).
+      TypeError, ValueError: bad arguments, at the call, naming
+        ``load_safetensors``, the argument, what it must be and what came; a
+        sharding that does not divide a tensor's shape (``jax.device_put``'s
+        own error, naming the leaf).
+
+    Note:
+      Zero-copy: each tensor's (or shard's) memory becomes its
+      ``jax.Array``'s on CPU devices (one buffer for every device holding a
+      replica). Float8 tensors are copied once (DLPack has no code JAX
+      takes for them), as are 64-bit tensors narrowed to 32 bits.
+
+    Examples:
+      >>> import os, tempfile
+      >>> import numpy as np, safetensors.numpy
+      >>> import async_array as aa
+      >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+      >>> safetensors.numpy.save_file({"w": np.ones((2, 3), np.float32)}, path)
+      >>> params = aa.load_safetensors(path)  # returns at once
+      >>> params["w"].shape
+      (2, 3)
+      >>> float(aa.materialize(params)["w"].sum())
+      6.0
+    """
+    source = source_text(source)
+    max_bytes_in_flight = _positive_int_or_none(max_bytes_in_flight, "max_bytes_in_flight")
+    timeout = timeout_seconds(timeout, NAME, positive=True)
+    retries = _retries(retries)
+    callback = progress_callback(progress)
+    name = f"{NAME}({source!r})"
+    if like is None:
+        # On the pool, waited for here: Ctrl-C interrupts the wait.
+        where = _core.submit(open_all, source, timeout, retries).result()
+        like = {
+            tensor: jax.ShapeDtypeStruct(
+                tuple(header.entries[t].shape),
+                jax.dtypes.canonicalize_dtype(numpy_dtype(header.entries[t].numpy_dtype)),
+            )
+            for tensor, (header, t) in where.items()
+        }
+    else:
+        where = None
+    with paused_gc():
+        specs, paths, _ = specs_and_paths(name, like, sharding)
+        names = [tensor_name(p) for p in paths]
+        futures = [_core.Future() for _ in paths]
+        # One call: an exception retrieved from any leaf counts for all (a
+        # header that fails fails every leaf; one report, not one a leaf).
+        leaves = one_source_a_leaf(specs, futures, Call())
+        load = Load(specs, names, futures, max_bytes_in_flight, callback, read_job)
+        if where is not None:
+            load.plan(where, source)
+            load.pump()
+        else:
+            opener = _core.submit(_open_and_plan, load, source, timeout, retries)
+            opener.add_done_callback(lambda f: fail_all_if_failed(f, futures))
+        return specs.treedef.unflatten(leaves)
+
+
+def _positive_int_or_none(value: Any, arg: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"{NAME}: {arg} must be a positive int (bytes) or None, got "
+            f"{type(value).__name__} {value!r:.40}"
+        )
+    if value <= 0:
+        raise ValueError(f"{NAME}: {arg} must be a positive int (bytes) or None, got {value}")
+    return int(value)
+
+
+_MAX_RETRIES = 2**32 - 1  # the core counts them in a u32
+
+
+def _retries(retries: Any) -> int:
+    if isinstance(retries, bool) or not isinstance(retries, (int, np.integer)):
+        raise TypeError(
+            f"{NAME}: retries must be an int from 0 to {_MAX_RETRIES}, got "
+            f"{type(retries).__name__} {retries!r:.40}"
+        )
+    if not 0 <= retries <= _MAX_RETRIES:
+        raise ValueError(f"{NAME}: retries must be an int from 0 to {_MAX_RETRIES}, got {retries}")
+    return int(retries)
+
+
+def _open_and_plan(load: Load, source: str, timeout: float | None, retries: int) -> None:
+    where = open_all(source, timeout, retries, set(load.names))
+    load.plan(where, source)
+    load.pump()

@@ -1,0 +1,110 @@
+"""A read job on the pool: the core reads its tensors (GIL released) into
+``HostBuffer``s, each leaf is handed to JAX, then made ready."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+from .. import _handoff
+from .._convert import convert_one
+from .._errors import shallow_copy
+from .._per_shard import index_text, shard_host
+from .._runtime import jax_work
+from .._spec import LeafSpecs, numpy_dtype
+from ._plan import RELEASED, Job, Load, Read
+
+# No DLPack code for these: read as bytes, then one copy viewed as float8.
+FLOAT8 = {"float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz"}
+
+
+def read_job(load: Load, job: Job, linked: threading.Event) -> None:
+    """A pool task: reads one job's tensors and shards (GIL released in the
+    core), hands each leaf to JAX, starts more reads, reports progress, then
+    makes the leaves ready (a leaf is ready after the progress that counts it
+    unless another thread's progress call was running then). A leaf fails
+    alone, with the error its own read gave."""
+    file = job.file
+    specs, futures = load.specs, load.futures
+    done: list[tuple[int, Any]] = []
+    load.started()
+    try:
+        reads = job.reads
+        # A cancelled (or already failed) leaf is not read: over HTTP its bytes
+        # leave the request, which is not sent when nothing is left.
+        reads = [r for r in reads if not futures[r.leaf].done()]
+        wants: list[tuple[int, DTypeLike, list[tuple[int, int]] | None]] = []
+        for r in reads:
+            dtype = buffer_dtype(r.np_name)
+            if r.bounds is None:
+                wants.append((r.t, dtype, None))
+            else:
+                wants.extend((r.t, dtype, b) for b in r.bounds)
+        results = file.read(wants) if wants else []
+        del wants
+        at = 0
+        for r in reads:
+            count = 1 if r.bounds is None else len(r.bounds)
+            mine = results[at : at + count]
+            at += count
+            failed = next((x for x in mine if isinstance(x, BaseException)), None)
+            if failed is not None:
+                done.append((r.leaf, failed))
+                continue
+            with jax_work:
+                done.append((r.leaf, to_jax(specs, r, mine)))
+            del mine
+        del results
+    except Exception as exc:
+        for r in job.reads:
+            done.append((r.leaf, shallow_copy(exc)))
+    finally:
+        progress = load.finished(job.nbytes, not file.remote)
+        load.pump()  # before the callback: one that waits on a later leaf must not hold its read
+        linked.wait()  # set by the pumping thread microseconds after the submit
+        load.report(*progress)
+        for i, entry in done:
+            fut, futures[i] = futures[i], RELEASED
+            if fut.done():
+                continue
+            if isinstance(entry, BaseException):
+                fut.set_exception(entry)
+            else:
+                fut.set_result([entry])
+        del done
+
+
+def to_jax(specs: LeafSpecs, r: Read, buffers: list[Any]) -> Any:
+    """A leaf's ``Source`` entry (its ``jax.Array``, or the exception its
+    conversion failed with) from its read buffers."""
+    i = r.leaf
+    if r.np_name in FLOAT8:  # no DLPack code: one copy, viewed as float8
+        buffers = [np.asarray(b).view(numpy_dtype(r.np_name)) for b in buffers]
+    if r.layout is None:
+        return convert_one(specs, i, buffers[0])
+    lay = r.layout
+    dtype = specs.avals[i].dtype
+    try:
+        hosts = [
+            shard_host(b, shape, dtype, f"{specs.where(i)} shard {index_text(index)}")
+            for b, shape, index in zip(buffers, lay.shapes, lay.indices, strict=True)
+        ]
+        return _handoff.put_shards(
+            [hosts[k] for k in lay.slots],
+            lay.devices,
+            specs.avals[i],
+            specs.shardings[i],
+            specs.committed[i],
+            True,
+        )
+    except Exception as exc:
+        return exc
+
+
+@functools.cache
+def buffer_dtype(np_name: str) -> np.dtype:
+    return np.dtype(np.uint8) if np_name in FLOAT8 else numpy_dtype(np_name)
