@@ -15,10 +15,11 @@ PYTHON313 ?= $(shell v=$$(pyenv versions --bare 2>/dev/null | grep -E '^3\.13(\.
 VENV313 := .venv-py313
 PY313   := $(VENV313)/bin/python
 MODEL   := .cache/all-MiniLM-L6-v2
-# cargo test links libpython (pyo3 without the extension-module feature).
+# The binding crate's tests link libpython (pyo3 without the extension-module
+# feature); the core crate's need no Python.
 PYLIB    = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
 CARGO_ENV = PYO3_PYTHON=$(abspath $(PY)) LD_LIBRARY_PATH=$(PYLIB)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}
-RUST_SRC := Cargo.toml Cargo.lock $(shell find rust -name '*.rs')
+RUST_SRC := Cargo.toml Cargo.lock rust/core/Cargo.toml rust/py/Cargo.toml $(shell find rust -name '*.rs')
 PYTEST_ARGS ?= -n 2 --durations=10
 
 .PHONY: demo test test-rust test-python test-py311 test-py313 test-public-route test-wheel \
@@ -86,17 +87,19 @@ seed: install
 lint: install
 	@printf '%s\n' "make: lint: cargo fmt, clippy, ruff, stubtest, mypy" >&2
 	cargo fmt --check
-	$(CARGO_ENV) cargo clippy --all-targets -- -D warnings
+	$(CARGO_ENV) cargo clippy --workspace --all-targets -- -D warnings
 	$(PY) -m ruff check python tests benches examples .ci
 	$(PY) -m ruff format --check python tests benches examples .ci
-	$(PY) -m mypy.stubtest async_array._core --allowlist .ci/stubtest-allowlist
+	$(PY) -m mypy.stubtest async_array._core async_array._core._testing --allowlist .ci/stubtest-allowlist
 	$(PY) -m mypy
 
-# Both in the release profile, so they share one build of the dependencies.
+# All in the release profile, so they share one build of the dependencies.
+# The core crate runs with no Python on its paths: that is its promise.
 test-rust: install
-	@printf '%s\n' "make: cargo test and cargo bench --no-run (one release build of the dependencies for both)" >&2
-	$(CARGO_ENV) cargo test --release
-	$(CARGO_ENV) cargo bench --no-run
+	@printf '%s\n' "make: cargo test (core without Python, bindings with it) and cargo bench --no-run" >&2
+	env -u PYO3_PYTHON -u LD_LIBRARY_PATH cargo test --release -p async-array-core
+	$(CARGO_ENV) cargo test --release -p async-array-py
+	env -u PYO3_PYTHON -u LD_LIBRARY_PATH cargo bench --no-run -p async-array-core
 
 test-py311: install
 	@printf '%s\n' "make: pytest on $$($(PY) -c 'import sys, jax; print(f"CPython {sys.version.split()[0]}, JAX {jax.__version__}")')" >&2

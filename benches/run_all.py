@@ -1,12 +1,12 @@
 """Every benchmark in one command, one table: ``make bench``.
 
-Runs the Rust core benches (divan, ``benches/core.rs``) and the pytest-benchmark
+Runs the Rust core benches (divan, ``rust/core/benches/core.rs``) and the pytest-benchmark
 suites (``benches/test_*.py``), a short version unless ``--full``, then prints
 one table: each figure, its twin (what a user would do without async_array,
 measured in the same process), the ratio and the target. Raw output (divan's
 table, pytest's log and JSON, this table) goes to ``.bench/``.
 
-Run: python benches/run_all.py [--full]   (cargo needs PYO3_PYTHON: use make bench)
+Run: python benches/run_all.py [--full]   (or make bench, which installs the peers)
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import numpy as np
 
 import async_array as aa
 from async_array import _core
+from async_array._core import _testing
 
 F32 = np.float32
 SPEC = jax.ShapeDtypeStruct((64,), F32)
@@ -121,7 +122,7 @@ def live() -> dict[str, float]:
     return {
         "leaves": sum(isinstance(o, aa.AsyncArray) for o in objs),
         "futures": sum(isinstance(o, _core.Future) for o in objs),
-        "host_buffers": _core.live_host_buffers(),
+        "host_buffers": _testing.live_host_buffers(),
         "threads": _core.pool_stats()["threads"],
         "rss_mib": rss_kb / 1024,
     }

@@ -18,6 +18,7 @@ from conftest import DTYPE_IDS, DTYPES, WAIT
 
 import async_array as aa
 from async_array import _core
+from async_array._core import _testing
 
 SHAPES = [(), (0,), (3, 0, 2), (7,), (2, 3, 5)]
 # numpy (PEP 3118) has no format code for bfloat16.
@@ -87,7 +88,7 @@ class LiveBuffers:
 
     def __init__(self) -> None:
         gc.collect()  # garbage of earlier tests must not be freed inside this one
-        self.start = _core.live_host_buffers()
+        self.start = _testing.live_host_buffers()
 
     def __call__(self, expected: int) -> int:
         """The count once it reaches ``expected``, or as it is after about 30 s.
@@ -97,7 +98,7 @@ class LiveBuffers:
         pause = threading.Event()  # never set: wait(0.01) only pauses
         for _ in range(3000):
             gc.collect()
-            now = _core.live_host_buffers() - self.start
+            now = _testing.live_host_buffers() - self.start
             if now == expected:
                 break
             pause.wait(0.01)

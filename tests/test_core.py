@@ -25,6 +25,7 @@ from conftest import WAIT, Gate, kill_group, poll_until, run_script, spawn, wait
 
 import async_array as aa
 from async_array import _core
+from async_array._core import _testing
 
 
 class LineReader:
@@ -325,7 +326,7 @@ def test_base_exception_fails_the_future_and_pool_survives(pool_size, exc):
 
 def test_rust_panic_is_an_ordinary_runtime_error(pool_size):
     pool_size(1)
-    f = _core._submit_rust_panic("x")
+    f = _testing._submit_rust_panic("x")
     with pytest.raises(RuntimeError, match="Rust panic in a worker: x") as info:
         f.result(WAIT)
     assert isinstance(info.value, Exception), "callers catching Exception see it"
@@ -337,7 +338,7 @@ def test_rust_panic_is_an_ordinary_runtime_error(pool_size):
 
 def test_concurrent_rust_panics_each_fail_their_own_future_quietly(pool_size, capfd):
     pool_size(4)
-    futures = [_core._submit_rust_panic(f"panic {i}") for i in range(16)]
+    futures = [_testing._submit_rust_panic(f"panic {i}") for i in range(16)]
     for i, f in enumerate(futures):
         with pytest.raises(RuntimeError, match=f"Rust panic in a worker: panic {i}$"):
             f.result(WAIT)

@@ -263,3 +263,33 @@ def test_core_tasks_are_named_by_their_function():
     made.set()
     with pytest.raises(WaitCycleError, match=re.escape(f"(cycle: {job.__qualname__} -> ")):
         fut.result(WAIT)
+
+
+@pytest.mark.parametrize("how", ["str", "callable"])
+def test_core_tasks_are_named_by_their_label(how):
+    holder = {}
+    made = threading.Event()
+    asked = []
+
+    def job(n):
+        wait_for(made, "the future")
+        return holder["fut"].result(WAIT)
+
+    def name_of(n):
+        asked.append(n)
+        return f"job #{n}"
+
+    label = "job #7" if how == "str" else name_of
+    fut = _core.submit(job, 7, label=label)
+    holder["fut"] = fut
+    made.set()
+    with pytest.raises(WaitCycleError, match=re.escape("(cycle: job #7 -> job #7)")):
+        fut.result(WAIT)
+    assert asked == ([] if how == "str" else [7]), "called with the task's args, once"
+
+
+def test_a_label_callable_is_called_only_when_a_message_needs_it():
+    asked = []
+    futures = _core.submit_many(len, [("ab",), ("abc",)], label=lambda s: asked.append(s) or s)
+    assert [f.result(WAIT) for f in futures] == [2, 3]
+    assert asked == [], "no wait, no cycle check, no label"

@@ -262,10 +262,11 @@ from async_array import _jit
 
 lowered_now = threading.Event()
 
-def compile_observed(traced):  # as _jit._compile, with a gate between lower and compile
-    lowered = traced.lower()
-    lowered_now.set()
-    return lowered.compile()
+def compile_observed(traced, context):  # as _jit._compile, with a gate between lower and compile
+    with context:
+        lowered = traced.lower()
+        lowered_now.set()
+        return lowered.compile()
 
 _jit._compile = compile_observed
 

@@ -438,6 +438,28 @@ def test_progress_true_shows_one_tqdm_bar_on_stderr(tmp_path, capsys):
     assert "3.00k/3.00k" in err
 
 
+def test_header_tensors_are_named_frozen_records(tmp_path):
+    path = tmp_path / "m.safetensors"
+    header = {
+        "b": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]},
+        "a": {"dtype": "F32", "shape": [], "data_offsets": [12, 16]},
+    }
+    write_raw(path, header, bytes(16))
+    base = 8 + len(json.dumps(header).encode())
+    b, a = aa._core.SafetensorsFile(str(path)).tensors  # file order
+    got = [(t.name, t.dtype, t.numpy_dtype, t.shape, t.start, t.end) for t in (b, a)]
+    assert got == [
+        ("b", "BF16", "bfloat16", (2, 3), base, base + 12),
+        ("a", "F32", "float32", (), base + 12, base + 16),
+    ]
+    assert repr(b) == (
+        f"TensorInfo(name='b', dtype='BF16', numpy_dtype='bfloat16', shape=(2, 3), "
+        f"start={base}, end={base + 12})"
+    )
+    with pytest.raises(AttributeError):
+        b.start = 0
+
+
 # -- a file that changes during a load, and files that are not regular ----------------
 
 

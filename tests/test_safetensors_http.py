@@ -239,7 +239,7 @@ def test_requests_in_flight_stay_bounded_however_many_workers(server, tmp_path, 
     # out TCP's retransmission backoff (28 s of a 3 s load). Without the bound
     # this fails only when a ninth request arrives before the first eight end
     # (1 run in 3 here); with it, it cannot fail.
-    bound = 8  # POOL_CONNECTIONS in rust/http.rs
+    bound = 8  # POOL_CONNECTIONS in rust/core/src/safetensors/http.rs
     pool_size(64)
     arrays = {f"w{i:02d}": np.full((300, 900), i, np.float32) for i in range(20)}  # 1 MB each
     safetensors.numpy.save_file(arrays, str(tmp_path / "many.safetensors"))

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import async_array as aa
-from async_array import _core
+from async_array._core import _testing
 
 WANT = {
     "rows": ((16, 12), np.float32),  # sharded on axis 0: one byte range a shard
@@ -74,10 +74,10 @@ def check(path: Path, source: str | None = None) -> dict[str, int]:
     the bytes the core read and the bytes it had to."""
     reference = safetensors.numpy.load_file(str(path))
     shardings = placements()
-    before = _core.tensor_bytes_read()
+    before = _testing.tensor_bytes_read()
     tree = aa.load_safetensors(source or path, sharding=shardings, timeout=30)
     got = aa.materialize(tree, timeout=60)
-    read = _core.tensor_bytes_read() - before
+    read = _testing.tensor_bytes_read() - before
     for name, s in shardings.items():
         x = got[name]
         assert isinstance(x, jax.Array) and not isinstance(x, aa.AsyncArray)
@@ -127,12 +127,12 @@ def test_a_later_axis_split_on_some_devices_from_like(tmp_path):
     arrays = write(path)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
     sharding = NamedSharding(mesh, P(None, "x"))
-    before = _core.tensor_bytes_read()
+    before = _testing.tensor_bytes_read()
     got = aa.load_safetensors(
         path, like={"cols": jax.ShapeDtypeStruct((16, 24), np.float32, sharding=sharding)}
     )
     value = got["cols"].result(timeout=30)
-    assert _core.tensor_bytes_read() - before == arrays["cols"].nbytes
+    assert _testing.tensor_bytes_read() - before == arrays["cols"].nbytes
     assert value.sharding == sharding
     np.testing.assert_array_equal(np.asarray(value), arrays["cols"])
     assert {s.device for s in value.addressable_shards} == set(jax.devices()[:2])

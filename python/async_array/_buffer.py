@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ._core import HostBuffer
+from ._core import HUGE_PAGES_ENV, HostBuffer
 from ._errors import reworded
 from ._spec import shape_tuple
 
@@ -71,7 +71,7 @@ def aligned_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.asarray(empty(shape, dtype))
 
 
-ENV_HUGE_PAGES = "ASYNC_ARRAY_HUGE_PAGES"
+ENV_HUGE_PAGES = HUGE_PAGES_ENV
 
 
 def _check_huge_pages_setting() -> None:

@@ -10,27 +10,26 @@ from numpy.typing import DTypeLike
 __all__ = [
     "ALIGNMENT",
     "DLPACK_CPU",
+    "HUGE_PAGES_ENV",
     "Future",
     "HostBuffer",
     "SafetensorsFile",
+    "TensorInfo",
     "WaitCycleError",
     "Watcher",
     "__version__",
     "_after_fork_child",
-    "_submit_rust_panic",
     "configure",
     "default_max_workers",
     "depends_on",
     "exiting",
     "huge_pages",
-    "live_host_buffers",
     "pool_stats",
     "read_url_prefix",
     "shutdown",
     "submit",
     "submit_many",
     "submit_urgent",
-    "tensor_bytes_read",
     "wait_all",
     "wait_all_or_failure",
     "wait_for_running_tasks",
@@ -41,6 +40,8 @@ __version__: str
 ALIGNMENT: int
 # DLPack's device type of host memory (kDLCPU, 1).
 DLPACK_CPU: int
+# The environment variable that turns huge pages on (1) or off (0).
+HUGE_PAGES_ENV: str
 
 @final
 class Future:
@@ -130,21 +131,50 @@ class SafetensorsFile:
     @property
     def remote(self) -> bool: ...
     @property
-    def tensors(self) -> list[tuple[str, str, str, tuple[int, ...], int, int]]: ...
+    def tensors(self) -> list[TensorInfo]: ...
     # Per (tensor, dtype, bounds or None): its HostBuffer, or the exception it failed with.
     def read(
         self, wants: list[tuple[int, DTypeLike, list[tuple[int, int]] | None]]
     ) -> list[HostBuffer | BaseException]: ...
 
+@final
+class TensorInfo:
+    """One tensor of a safetensors file, as its header describes it."""
+
+    @property
+    def name(self) -> str: ...
+    # The safetensors dtype code ("F32", "BF16").
+    @property
+    def dtype(self) -> str: ...
+    # The numpy dtype name of the same elements ("float32", "bfloat16").
+    @property
+    def numpy_dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    # Byte offsets from the start of the file, end exclusive.
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+
 def read_url_prefix(
     url: str, max_bytes: int, *, timeout: float | None = None, retries: int = 3
 ) -> tuple[bytes, int]: ...
 
-# Bytes of tensor data read from safetensors files and URLs by this process so far.
-def tensor_bytes_read() -> int: ...
-def submit(func: Callable[..., Any], *args: Any) -> Future: ...
-def submit_many(func: Callable[..., Any], args_list: list[tuple[Any, ...]]) -> list[Future]: ...
-def submit_urgent(func: Callable[..., Any], *args: Any) -> Future: ...
+# `label` names the task in WaitCycleError messages: a str, or a callable called with
+# the task's args only when a message needs it; by default func.__qualname__.
+def submit(
+    func: Callable[..., Any], *args: Any, label: str | Callable[..., str] | None = None
+) -> Future: ...
+def submit_many(
+    func: Callable[..., Any],
+    args_list: list[tuple[Any, ...]],
+    *,
+    label: str | Callable[..., str] | None = None,
+) -> list[Future]: ...
+def submit_urgent(
+    func: Callable[..., Any], *args: Any, label: str | Callable[..., str] | None = None
+) -> Future: ...
 def wait_all(futures: list[Future], timeout: float | None = None) -> bool: ...
 def wait_all_or_failure(
     futures: list[Future], timeout: float | None = None
@@ -159,7 +189,5 @@ def pool_stats() -> dict[str, int]: ...
 def shutdown() -> None: ...
 def exiting() -> bool: ...
 def wait_for_running_tasks(timeout: float | None = None) -> bool: ...
-def live_host_buffers() -> int: ...
 def huge_pages() -> bool: ...
 def _after_fork_child() -> None: ...
-def _submit_rust_panic(message: str) -> Future: ...

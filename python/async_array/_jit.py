@@ -176,7 +176,10 @@ class _Compile:
         self._waiters: list[Callable[[], None]] | None = []
         jax_work.enter()
         try:
-            self.future = _core.submit_urgent(_compile, traced, context)  # never behind loads
+            # Urgent: never behind loads.
+            self.future = _core.submit_urgent(
+                _compile, traced, context, label="aa.jit compilation"
+            )
         except BaseException:
             jax_work.leave()
             raise
@@ -319,7 +322,8 @@ def _launch(call: _Call) -> None:
     try:
         jax_work.enter()
         try:
-            task = _core.submit_urgent(_execute, call)  # its inputs are ready: run now
+            # Urgent: its inputs are ready, so it runs now.
+            task = _core.submit_urgent(_execute, call, label=call.owner._name)
         except BaseException:
             jax_work.leave()
             raise
@@ -404,10 +408,6 @@ def _execute_in_order(call: _Call) -> None:
         out.set_exception(exc)
         return
     out.set_result(call.out_tree.flatten_up_to(result))
-
-
-_execute.task_label = lambda call: call.owner._name  # type: ignore[attr-defined]
-_compile.task_label = lambda traced: "aa.jit compilation"  # type: ignore[attr-defined]
 
 
 def _tell_others(call: _Call, why: str) -> None:

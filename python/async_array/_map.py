@@ -46,8 +46,10 @@ def _check_takes(fn: Callable[..., Any], per_shard: bool) -> None:
         ) from None
 
 
-# How cycle messages name each task (see async_array.WaitCycleError).
-_run_leaf.task_label = lambda fn, path, spec, specs, i: specs.where(i)  # type: ignore[attr-defined]
+def _leaf_label(fn: Any, path: Any, spec: Any, specs: Any, i: int) -> str:
+    """How cycle messages name a leaf's task (see _core.WaitCycleError); called
+    only when one needs it."""
+    return specs.where(i)
 
 
 def async_map(
@@ -110,7 +112,7 @@ def _async_map(fn: Callable[[Any, Any], Any], like: Any, sharding: Any) -> Any:
         (fn, path, spec, specs, i)
         for i, (path, spec) in enumerate(zip(paths, specs_in, strict=True))
     ]
-    futures = _core.submit_many(_run_leaf, args)
+    futures = _core.submit_many(_run_leaf, args, label=_leaf_label)
     leaves = one_source_a_leaf(specs, futures)
     return specs.treedef.unflatten(leaves)
 
@@ -185,9 +187,6 @@ def _drive_stream(
             )
 
 
-_drive_stream.task_label = lambda gen_fn, specs, paths, futures: specs.name  # type: ignore[attr-defined]
-
-
 def async_stream(
     gen_fn: Callable[[], Iterable[tuple[Any, Any]]], like: Any, *, sharding: Any = None
 ) -> Any:
@@ -220,7 +219,7 @@ def _async_stream(gen_fn: Callable[[], Iterable[tuple[Any, Any]]], like: Any, sh
     specs, paths, _ = specs_and_paths(f"async_stream({qualname(gen_fn)})", like, sharding)
     futures = [_core.Future() for _ in paths]
     leaves = one_source_a_leaf(specs, futures)
-    driver = _core.submit(_drive_stream, gen_fn, specs, paths, futures)
+    driver = _core.submit(_drive_stream, gen_fn, specs, paths, futures, label=specs.name)
     # Each leaf needs the generator's task: a wait on a leaf from a task that
     # the generator itself waits for is a cycle.
     _core.depends_on(futures, [driver])

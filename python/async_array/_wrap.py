@@ -21,10 +21,6 @@ def _run(f: Callable[[], Any], specs: LeafSpecs) -> list[Any]:
         return convert_results(specs, holder)
 
 
-# How a cycle message names the task (see async_array.WaitCycleError).
-_run.task_label = lambda f, specs: specs.name  # type: ignore[attr-defined]
-
-
 @overload
 def async_wrap(
     f: Callable[[], Any],
@@ -104,4 +100,4 @@ def async_wrap(
         raise TypeError(f"async_wrap: f must be callable, got {type(f).__name__}")
     with paused_gc():
         specs = declare(f"async_wrap({qualname(f)})", shape, dtype, like, sharding)
-        return leaves_for(specs, _core.submit(_run, f, specs))
+        return leaves_for(specs, _core.submit(_run, f, specs, label=specs.name))

@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import async_array as aa  # noqa: E402
+from async_array._core import _testing  # noqa: E402
 
 WAIT = 60
 ITEM = np.dtype(np.float32).itemsize
@@ -149,11 +150,11 @@ st_sharding = {
     "rows": NamedSharding(mesh1, PartitionSpec("x")),
     "cols": NamedSharding(mesh1, PartitionSpec(None, "x")),
 }
-before = aa._core.tensor_bytes_read()
+before = _testing.tensor_bytes_read()
 st = aa.load_safetensors(os.path.join(os.path.dirname(DATA), "m.safetensors"), sharding=st_sharding)
 st = aa.materialize(st, timeout=WAIT)
 out["safetensors"] = {
-    "bytes": aa._core.tensor_bytes_read() - before,
+    "bytes": _testing.tensor_bytes_read() - before,
     "sums": {name: checksum(st[name]) for name in st_sharding},
     "shards": {name: local_values(st[name]) for name in st_sharding},
 }

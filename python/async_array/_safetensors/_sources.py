@@ -1,6 +1,6 @@
 """Where a load's tensors are: a path, ``file://`` or http(s) URL, or an
 index of several files; their headers opened by the core (errors reworded
-here, naming the call), and each tensor's record as a :class:`TensorEntry`."""
+here, naming the call), each tensor's record a ``_core.TensorInfo``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import stat
 import urllib.parse
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from .. import _core
 from .._errors import reworded
@@ -131,27 +131,13 @@ def tensor_name(path: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
-class TensorEntry(NamedTuple):
-    """One tensor of a file's header: its name, safetensors dtype (``F32``...),
-    numpy dtype name (``float32``, ``bfloat16``...), shape, and its byte range
-    ``[start, end)`` in the file. Made from the core's records in one place
-    (:class:`Header`), so the rest reads them by name."""
-
-    name: str
-    dtype: str
-    numpy_dtype: str
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-
 class Header:
     """The tensors of one opened file, by name."""
 
     def __init__(self, file: _core.SafetensorsFile) -> None:
         self.file = file
         self.index: dict[str, int] = {}
-        self.entries = [TensorEntry(*record) for record in file.tensors]
+        self.entries = file.tensors
         for i, entry in enumerate(self.entries):
             self.index[entry.name] = i
 

@@ -2,10 +2,10 @@
 //! shutdown, and what `fork()` does to it (`pthread_atfork` handlers and the
 //! `os.register_at_fork` child hook).
 
-use crate::attach::{drop_thread_state, keep_thread_state};
 use crate::error::Error;
-use crate::pool::{ForkGuard, Pool, ThreadHooks};
-use crate::wait::{deadline_after, wait_detached};
+use crate::interp::{deadline_after, drop_thread_state, keep_thread_state, wait_detached};
+use async_array_core::pool::{ForkGuard, Pool, ThreadHooks};
+use async_array_core::Error as CoreError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::cell::RefCell;
@@ -41,7 +41,10 @@ pub fn default_max_workers() -> usize {
 #[pyfunction]
 pub fn configure(max_workers: usize) -> PyResult<()> {
     if max_workers == 0 {
-        return Err(Error::InvalidArgument("max_workers must be at least 1, got 0".into()).into());
+        return Err(Error(CoreError::InvalidArgument(
+            "max_workers must be at least 1, got 0".into(),
+        ))
+        .into());
     }
     pool().set_max_workers(max_workers);
     Ok(())
@@ -77,7 +80,7 @@ pub fn exiting() -> bool {
 #[pyfunction]
 pub fn shutdown() {
     EXITING.store(true, Ordering::Release);
-    crate::http::abandon_reads();
+    async_array_core::safetensors::http::abandon_reads();
     pool().shutdown();
 }
 

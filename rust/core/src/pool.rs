@@ -1,12 +1,11 @@
 //! A fixed-size worker pool with a FIFO queue.
 //!
-//! Plain Rust (no pyo3 types). Threads start lazily, up to `max_workers` busy at
-//! once. A worker that blocks on another future (through [`Pool::blocking`])
+//! Threads start lazily, up to `max_workers` busy at once. A worker that blocks on another future (through [`Pool::blocking`])
 //! stops counting as busy, and the pool starts a stand-in thread when work is
 //! queued: so `max_workers = 1` and a task that waits on a queued task cannot
 //! deadlock. Stand-ins retire once the pool is back under its size.
 
-use crate::locks::{lock, wait_once};
+use crate::sync::{lock, wait_once};
 use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -16,8 +15,11 @@ use std::time::Instant;
 /// never run (the pool shut down while it was queued); `refuse` for work that
 /// cannot run for a reason its waiters must hear.
 pub trait Job: Send + 'static {
+    /// Runs the job on a pool thread.
     fn run(self: Box<Self>);
+    /// Drops the job unrun (the pool shut down); its waiters must hear.
     fn cancel(self: Box<Self>);
+    /// Refuses the job for `why`; by default, as [`Job::cancel`].
     fn refuse(self: Box<Self>, why: Refusal) {
         let _ = why;
         self.cancel();
@@ -41,6 +43,7 @@ pub const URGENT_LANE: usize = 4;
 /// these under its lock, so they must not own anything whose drop runs
 /// foreign code (hold the future weakly).
 pub trait Abandon: Send + Sync {
+    /// Fails the job's future: its thread is gone.
     fn abandon(&self);
 }
 
@@ -49,7 +52,12 @@ pub trait Abandon: Send + Sync {
 pub enum Refusal {
     /// No new thread could start (the OS error) while every one of the pool's
     /// `threads` was blocked waiting on other work: nothing would take it.
-    ThreadStart { error: String, threads: usize },
+    ThreadStart {
+        /// The OS error that refused the thread.
+        error: String,
+        /// How many threads the pool had, all blocked.
+        threads: usize,
+    },
     /// Queued in the parent when `fork()` made this process: it runs there.
     QueuedAtFork,
 }
@@ -57,6 +65,7 @@ pub enum Refusal {
 /// Why a job was not queued.
 #[derive(Debug, PartialEq, Eq)]
 pub enum SubmitError {
+    /// The pool is shut down.
     ShutDown,
 }
 
@@ -139,24 +148,33 @@ struct Inner {
 /// the process exits or forks).
 #[derive(Clone, Copy, Default)]
 pub struct ThreadHooks {
+    /// Run on the new thread before its first job.
     pub start: Option<fn()>,
+    /// Run on the thread as it retires.
     pub stop: Option<fn()>,
 }
 
 /// Counters for tests and benchmarks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolStats {
+    /// How many jobs may run at once.
     pub max_workers: usize,
+    /// Worker threads now (busy, idle or blocked).
     pub threads: usize,
+    /// Workers waiting for a job.
     pub idle: usize,
+    /// Workers blocked in a wait on other work.
     pub blocked: usize,
+    /// Jobs queued, not yet taken.
     pub queued: usize,
+    /// Threads started since the pool began.
     pub spawned_total: usize,
     /// Threads of the urgent lane now (not in `threads`).
     pub urgent_lane: usize,
 }
 
 #[derive(Clone)]
+/// A pool of worker threads that run [`Job`]s, started lazily up to `max_workers` busy at once.
 pub struct Pool {
     inner: Arc<Inner>,
 }
@@ -190,10 +208,12 @@ fn refuse(mut st: MutexGuard<'_, State>) {
 }
 
 impl Pool {
+    /// A pool named `name` (its threads' name) running at most `max_workers` jobs at once.
     pub fn new(name: &str, max_workers: usize) -> Self {
         Self::with_hooks(name, max_workers, ThreadHooks::default())
     }
 
+    /// As [`Pool::new`], with hooks run on each thread as it starts and retires.
     pub fn with_hooks(name: &str, max_workers: usize, hooks: ThreadHooks) -> Self {
         Pool {
             inner: Arc::new(Inner {
@@ -530,10 +550,12 @@ impl Pool {
         refuse(st);
     }
 
+    /// How many jobs may run at once.
     pub fn max_workers(&self) -> usize {
         lock(&self.inner.state).max_workers
     }
 
+    /// A snapshot of the counters.
     pub fn stats(&self) -> PoolStats {
         let st = lock(&self.inner.state);
         PoolStats {

@@ -1,14 +1,14 @@
 //! Rust benches of the core: `cargo bench --bench core` (add `-- --sample-count 20`
 //! for a short run, as `make bench` does).
 //!
-//! Figures of DESIGN.md section 5 and issue 8, each group with a plain-Rust twin
-//! where one exists (STYLE.md item 13): create + complete + wait of one future
-//! (under 1 us), wake-up latency across threads, `wait_all` over 100k futures,
-//! pool submit-to-done throughput by worker count. `benches/run_all.py` reads
+//! Each group has a plain-Rust twin where one exists: create + complete + wait
+//! of one future (under 1 us), wake-up latency across threads, `wait_all` over
+//! 100k futures, pool submit-to-done throughput by worker count. `benches/run_all.py` reads
 //! the medians from divan's table by these names, so rename both together.
 
-use async_array::future::{wait_all, Future, Outcome};
-use async_array::pool::{Job, Pool};
+use async_array_core::future::waits::wait_all;
+use async_array_core::future::{Future, Outcome};
+use async_array_core::pool::{Job, Pool};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread;

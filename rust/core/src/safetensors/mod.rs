@@ -1,18 +1,34 @@
 //! The safetensors format: the header parsed and validated completely, and
 //! the byte ranges of its tensors read into 64-byte-aligned memory.
 //!
-//! Plain Rust (no pyo3), tested by `cargo test`. A file is 8 bytes of
-//! little-endian header length `n`, `n` bytes of JSON (an object: tensor name
-//! -> `{"dtype", "shape", "data_offsets": [begin, end]}`, plus an optional
-//! `"__metadata__"` of strings), then the data; offsets count from the end of
-//! the header. Every check here happens before any tensor memory is
-//! allocated, and no allocation exceeds the file's size: a corrupt length
-//! fails with a message, never with an attempt to allocate it.
+//! A file is 8 bytes of little-endian header length `n`, `n` bytes of JSON
+//! (an object: tensor name -> `{"dtype", "shape", "data_offsets": [begin,
+//! end]}`, plus an optional `"__metadata__"` of strings), then the data;
+//! offsets count from the end of the header. Every check here happens before
+//! any tensor memory is allocated, and no allocation exceeds the file's size:
+//! a corrupt length fails with a message, never with an attempt to allocate it.
 
-use crate::error::Error;
+pub mod http;
+pub mod local;
+pub mod plan;
+
 use serde_json::Value;
-use std::fs::File;
-use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Bytes of tensor data this process has received from files and URLs
+/// (headers not counted; over HTTP, the bytes between pieces of one request
+/// are counted, since they came).
+static TENSOR_BYTES_READ: AtomicU64 = AtomicU64::new(0);
+
+/// What [`TENSOR_BYTES_READ`] counts so far.
+pub fn tensor_bytes_read() -> u64 {
+    TENSOR_BYTES_READ.load(Ordering::Relaxed)
+}
+
+/// Counts `n` more bytes of tensor data received.
+fn count_tensor_bytes(n: u64) {
+    TENSOR_BYTES_READ.fetch_add(n, Ordering::Relaxed);
+}
 
 /// How many bytes the first read of a header takes: most headers fit, so a
 /// file's header costs one read.
@@ -24,24 +40,43 @@ pub const MAX_HEADER: u64 = 100 * 1000 * 1000;
 /// The safetensors dtypes that JAX has, by their safetensors names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dtype {
+    /// `BOOL`
     Bool,
+    /// `U8`
     U8,
+    /// `I8`
     I8,
+    /// `U16`
     U16,
+    /// `I16`
     I16,
+    /// `U32`
     U32,
+    /// `I32`
     I32,
+    /// `U64`
     U64,
+    /// `I64`
     I64,
+    /// `F16`
     F16,
+    /// `BF16`
     Bf16,
+    /// `F32`
     F32,
+    /// `F64`
     F64,
+    /// `F8_E4M3`
     F8E4m3,
+    /// `F8_E5M2`
     F8E5m2,
+    /// `F8_E8M0`
     F8E8m0,
+    /// `F8_E4M3FNUZ`
     F8E4m3Fnuz,
+    /// `F8_E5M2FNUZ`
     F8E5m2Fnuz,
+    /// `C64`
     C64,
 }
 
@@ -62,6 +97,7 @@ const LACKING: [(&str, &str); 3] = [
 ];
 
 impl Dtype {
+    /// Every dtype, in declaration order.
     pub const ALL: [Dtype; 19] = [
         Dtype::Bool,
         Dtype::U8,
@@ -135,6 +171,7 @@ impl Dtype {
         }
     }
 
+    /// Bytes per element.
     pub fn itemsize(self) -> u64 {
         match self {
             Dtype::Bool
@@ -151,6 +188,7 @@ impl Dtype {
         }
     }
 
+    /// The dtype of a safetensors name (`"F32"`), if JAX has it.
     pub fn from_name(name: &str) -> Option<Dtype> {
         Dtype::ALL.into_iter().find(|d| d.name() == name)
     }
@@ -159,14 +197,20 @@ impl Dtype {
 /// One tensor of a header; `start..end` are absolute byte offsets in the file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorInfo {
+    /// The tensor's name in the header.
     pub name: String,
+    /// Its element type.
     pub dtype: Dtype,
+    /// Its shape (empty for a scalar).
     pub shape: Vec<u64>,
+    /// Its first byte in the file (absolute offset).
     pub start: u64,
+    /// One past its last byte in the file.
     pub end: u64,
 }
 
 impl TensorInfo {
+    /// Its size in bytes.
     pub fn nbytes(&self) -> u64 {
         self.end - self.start
     }
@@ -417,136 +461,6 @@ fn json_kind(v: &Value) -> &'static str {
         Value::String(_) => "a string",
         Value::Array(_) => "a list",
         Value::Object(_) => "an object",
-    }
-}
-
-/// Reads exactly `buf.len()` bytes at `offset` of `file` (`pread`, retried
-/// on interruption and short reads). `what` names the read in errors.
-pub fn pread_exact(
-    file: &File,
-    mut buf: &mut [u8],
-    mut offset: u64,
-    what: &str,
-) -> Result<(), Error> {
-    let total = buf.len();
-    while !buf.is_empty() {
-        match file.read_at(buf, offset) {
-            Ok(0) => {
-                return Err(Error::Format(format!(
-                    "{what}: the file ended after {} of {total} bytes (it was truncated \
-                     while being read?)",
-                    total - buf.len()
-                )))
-            }
-            Ok(n) => {
-                buf = &mut buf[n..];
-                offset += n as u64;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(Error::from_io(what, &e)),
-        }
-    }
-    Ok(())
-}
-
-/// An open local safetensors file and its validated header.
-pub struct LocalFile {
-    pub path: String,
-    pub file: File,
-    pub len: u64,
-    pub tensors: Vec<TensorInfo>,
-    /// The modification time when the header was read: with `len`, what a
-    /// later read checks the file against (see [`LocalFile::changed`]).
-    pub modified: Option<std::time::SystemTime>,
-}
-
-impl LocalFile {
-    /// Opens `path` and reads its header: one read of at most [`FIRST_READ`]
-    /// bytes, a second only for a longer header.
-    ///
-    /// Anything but a regular file is refused: opening a FIFO for reading
-    /// would block until a writer came (so it is opened non-blocking, then
-    /// checked), and a device or socket has no stable size to check reads by.
-    pub fn open(path: &std::path::Path) -> Result<LocalFile, Error> {
-        use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-        let opened = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(path);
-        // Messages show a path that is not UTF-8 with its bytes replaced.
-        let shown = path.to_string_lossy();
-        let path: &str = &shown;
-        let file = opened.map_err(|e| Error::from_io(path, &e))?;
-        let meta = file.metadata().map_err(|e| Error::from_io(path, &e))?;
-        let kind = meta.file_type();
-        if kind.is_dir() {
-            return Err(Error::Os {
-                errno: libc::EISDIR,
-                message: format!("{path}: is a directory, not a safetensors file"),
-            });
-        }
-        if !kind.is_file() {
-            let what = if kind.is_fifo() {
-                "a FIFO (named pipe)"
-            } else if kind.is_socket() {
-                "a socket"
-            } else if kind.is_block_device() || kind.is_char_device() {
-                "a device"
-            } else {
-                "not a regular file"
-            };
-            return Err(Error::InvalidArgument(format!(
-                "{path}: is {what}; a safetensors file must be a regular file \
-                 (its tensors are read at offsets)"
-            )));
-        }
-        let len = meta.len();
-        let modified = meta.modified().ok();
-        let invalid = Error::Format;
-        let mut first = vec![0u8; FIRST_READ.min(len) as usize];
-        let what = format!("{path}: header (bytes [0, {}))", first.len());
-        pread_exact(&file, &mut first, 0, &what)?;
-        let n = header_len(path, &first, len).map_err(invalid)?;
-        let json: Vec<u8> = if 8 + n <= first.len() as u64 {
-            first[8..(8 + n) as usize].to_vec()
-        } else {
-            // Within the file (checked above), so never more than its size.
-            let mut rest = vec![0u8; n as usize];
-            pread_exact(
-                &file,
-                &mut rest,
-                8,
-                &format!("{path}: header (bytes [8, {}))", 8 + n),
-            )?;
-            rest
-        };
-        let tensors = parse_header(path, &json, len).map_err(invalid)?;
-        Ok(LocalFile {
-            path: path.to_owned(),
-            file,
-            len,
-            tensors,
-            modified,
-        })
-    }
-
-    /// Why the file is no longer as its header was read (written to since:
-    /// another size or modification time), or None. Reads go through the
-    /// descriptor opened with the header, so a file replaced by a rename
-    /// reads on consistently; one rewritten in place is caught here.
-    pub fn changed(&self) -> Option<String> {
-        let what = match self.file.metadata() {
-            Err(e) => format!("it cannot be checked: {e}"),
-            Ok(m) if m.len() != self.len => {
-                format!("its size was {} bytes, now {}", self.len, m.len())
-            }
-            Ok(m) if m.modified().ok() != self.modified => "it was modified".to_owned(),
-            Ok(_) => return None,
-        };
-        Some(format!(
-            "the file changed since its header was read ({what}); no tensor is read from a \
-             file whose offsets may have moved: load it again"
-        ))
     }
 }
 

@@ -10,7 +10,7 @@
 //! reports free pages to the host: there a huge page is most often memory the
 //! host took back, and its first touch faults on the host 4 KiB at a time
 //! (440 MiB in a fresh process: 0.08 to 2.9 s with huge pages, 0.18 to 0.27 s
-//! without, back to back on the 2-core VM of issue 17).
+//! without, back to back on a 2-core VM).
 
 use std::alloc::{self, Layout};
 use std::path::Path;
@@ -33,12 +33,12 @@ fn layout_for(len: usize) -> Option<Layout> {
 
 /// `ASYNC_ARRAY_HUGE_PAGES`: `1` always asks for huge pages, `0` never;
 /// unset (or anything else), asks unless free pages go back to a VM's host.
-pub const ENV_HUGE_PAGES: &str = "ASYNC_ARRAY_HUGE_PAGES";
+pub const HUGE_PAGES_ENV: &str = "ASYNC_ARRAY_HUGE_PAGES";
 
 /// Whether large buffers ask for huge pages (decided once a process).
 pub fn huge_pages() -> bool {
     static HUGE: OnceLock<bool> = OnceLock::new();
-    *HUGE.get_or_init(|| match std::env::var(ENV_HUGE_PAGES).as_deref() {
+    *HUGE.get_or_init(|| match std::env::var(HUGE_PAGES_ENV).as_deref() {
         Ok("1") => true,
         Ok("0") => false,
         _ => !reports_free_pages(Path::new("/sys/bus/virtio/drivers/virtio_balloon")),
@@ -110,14 +110,17 @@ impl AlignedBuf {
         Some(AlignedBuf { ptr, len })
     }
 
+    /// The first byte.
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
 
+    /// Its length in bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether it is zero bytes long.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

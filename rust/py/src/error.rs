@@ -1,11 +1,12 @@
 //! The core's errors and their one conversion to Python exceptions.
 //!
-//! Every exception the bindings raise themselves is an [`Error`] turned into a
-//! Python exception by the one `From<Error> for PyErr` below; no other file
-//! builds one (clippy's `disallowed-methods` in `clippy.toml` refuses
+//! Every exception the bindings raise themselves is a core error, wrapped in
+//! [`Error`], turned into a Python exception by the one `From<Error> for PyErr`
+//! below; no other file builds one (clippy's `disallowed-methods` in `clippy.toml` refuses
 //! `PyValueError::new_err` and its kin elsewhere). Exceptions that Python code
 //! raised (a task, an import, a signal handler) pass through unchanged.
 
+use async_array_core::Error as CoreError;
 use pyo3::exceptions::{
     PyBufferError, PyFileNotFoundError, PyMemoryError, PyOSError, PyRuntimeError, PyTimeoutError,
     PyTypeError, PyValueError,
@@ -24,56 +25,16 @@ pyo3::create_exception!(
      that leads back."
 );
 
-/// Everything the core itself can fail with. Exceptions raised by Python code
-/// that a task ran travel as [`TaskError::Python`] and are re-raised unchanged.
-/// The variants that carry a message carry all of it: the call site knows what
-/// was asked and what was wrong.
+/// A core error on its way to Python: the orphan rule forbids
+/// `From<CoreError> for PyErr` here, so binding functions return this
+/// newtype (or build a `PyErr` from it) and `?` on a core result converts.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Error {
-    /// The future was cancelled before it ran: `concurrent.futures.CancelledError`.
-    Cancelled,
-    /// A wait ran out of time (the timeout, in seconds): `TimeoutError`.
-    Timeout(f64),
-    /// Rust code panicked while running a task: `RuntimeError`.
-    Panic(String),
-    /// The task was running in the parent when `os.fork()` made this process:
-    /// `RuntimeError`.
-    Abandoned,
-    /// The task was queued in the parent when `os.fork()` made this process; it
-    /// runs there, not here: `RuntimeError`.
-    QueuedAtFork,
-    /// No pool thread could start (the OS error) while all `threads` were
-    /// blocked waiting on queued work, so the task would never run: `RuntimeError`.
-    ThreadStart { error: String, threads: usize },
-    /// The pool is shut down (interpreter exit); nothing new runs: `RuntimeError`.
-    ShutDown,
-    /// An argument's value is out of its domain: `ValueError`.
-    InvalidArgument(String),
-    /// An argument or receiver of a type the operation does not take: `TypeError`.
-    WrongType(String),
-    /// A buffer view or DLPack export that cannot be honoured: `BufferError`.
-    Buffer(String),
-    /// An allocation of this many bytes of host memory failed: `MemoryError`.
-    OutOfMemory(usize),
-    /// A pool task started a wait that can only end once the task itself goes
-    /// on: `WaitCycleError` (a `RuntimeError`). `labels` run from the waiting
-    /// task back to it; `index` is the waited-on future that leads back.
-    Cycle { labels: Vec<String>, index: usize },
-    /// A file or URL that is not there (the message names it): `FileNotFoundError`.
-    NotFound(String),
-    /// Reading a file or URL failed (the message says what, where, which
-    /// bytes): `OSError`.
-    Io(String),
-    /// As `Io`, where the OS gave an error number: `OSError(errno, message)`,
-    /// which Python makes the subclass for it (`ConnectionRefusedError` for
-    /// `ECONNREFUSED`, `PermissionError` for `EACCES`), as `open()` and
-    /// `socket` raise them.
-    Os { errno: i32, message: String },
-    /// Data that does not follow its format (a malformed safetensors header):
-    /// `ValueError`.
-    Format(String),
-    /// A request ran past its deadline (the message says which): `TimeoutError`.
-    Deadline(String),
+pub struct Error(pub CoreError);
+
+impl From<CoreError> for Error {
+    fn from(err: CoreError) -> Self {
+        Error(err)
+    }
 }
 
 static CANCELLED_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
@@ -85,43 +46,43 @@ fn cancelled_error(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
 impl From<Error> for PyErr {
     // The one place that builds the core's own exceptions.
     #[allow(clippy::disallowed_methods)]
-    fn from(err: Error) -> PyErr {
+    fn from(Error(err): Error) -> PyErr {
         match err {
-            Error::Cancelled => Python::attach(|py| match cancelled_error(py) {
+            CoreError::Cancelled => Python::attach(|py| match cancelled_error(py) {
                 Ok(t) => PyErr::from_type(t.clone(), "the task was cancelled before it ran"),
                 Err(e) => e,
             }),
-            Error::Timeout(seconds) => {
+            CoreError::Timeout(seconds) => {
                 PyTimeoutError::new_err(format!("async_array: task not finished after {seconds} s"))
             }
-            Error::Panic(msg) => {
+            CoreError::Panic(msg) => {
                 PyRuntimeError::new_err(format!("async_array: Rust panic in a worker: {msg}"))
             }
-            Error::Abandoned => PyRuntimeError::new_err(
+            CoreError::Abandoned => PyRuntimeError::new_err(
                 "async_array: this task was running in the parent process when os.fork() \
                  was called; the child has no thread to finish it",
             ),
-            Error::QueuedAtFork => PyRuntimeError::new_err(
+            CoreError::QueuedAtFork => PyRuntimeError::new_err(
                 "async_array: this task was queued in the parent process when os.fork() was \
                  called; it runs in the parent, not in this child (submit it again here to run it here)",
             ),
-            Error::ThreadStart { error, threads } => PyRuntimeError::new_err(format!(
+            CoreError::ThreadStart { error, threads } => PyRuntimeError::new_err(format!(
                 "async_array: the pool could not start a thread ({error}) while all {threads} of \
                  its threads were blocked waiting on queued work, so this task would never run. \
                  A task that waits on another gets a stand-in thread, as far as the OS allows \
                  (pid limits, RLIMIT_AS, memory): wait on fewer leaves from inside tasks, or raise the limit"
             )),
-            Error::ShutDown => PyRuntimeError::new_err(
+            CoreError::ShutDown => PyRuntimeError::new_err(
                 "async_array: the pool is shut down (interpreter exit); nothing new can run",
             ),
-            Error::InvalidArgument(msg) => PyValueError::new_err(msg),
-            Error::WrongType(msg) => PyTypeError::new_err(msg),
-            Error::Buffer(msg) => PyBufferError::new_err(msg),
-            Error::OutOfMemory(bytes) => PyMemoryError::new_err(format!(
+            CoreError::InvalidArgument(msg) => PyValueError::new_err(msg),
+            CoreError::WrongType(msg) => PyTypeError::new_err(msg),
+            CoreError::Buffer(msg) => PyBufferError::new_err(msg),
+            CoreError::OutOfMemory(bytes) => PyMemoryError::new_err(format!(
                 "async_array: could not allocate {bytes} bytes of {}-byte-aligned host memory",
-                crate::buffer::ALIGN
+                async_array_core::buffer::ALIGN
             )),
-            Error::Cycle { labels, index } => Python::attach(|py| {
+            CoreError::Cycle { labels, index } => Python::attach(|py| {
                 let me = labels.first().map_or("a task", String::as_str);
                 let target = labels.get(1).map_or(me, String::as_str);
                 let err = WaitCycleError::new_err(format!(
@@ -138,41 +99,11 @@ impl From<Error> for PyErr {
                     Err(e) => e,
                 }
             }),
-            Error::NotFound(msg) => PyFileNotFoundError::new_err(msg),
-            Error::Io(msg) => PyOSError::new_err(msg),
-            Error::Os { errno, message } => PyOSError::new_err((errno, message)),
-            Error::Format(msg) => PyValueError::new_err(msg),
-            Error::Deadline(msg) => PyTimeoutError::new_err(msg),
-        }
-    }
-}
-
-/// An I/O error's text without std's " (os error N)" suffix, and N: Python
-/// shows the number itself (`[Errno N]`) once it is the exception's errno.
-pub fn os_text(e: &std::io::Error) -> (String, Option<i32>) {
-    let text = e.to_string();
-    match e.raw_os_error() {
-        Some(n) => {
-            let suffix = format!(" (os error {n})");
-            (
-                text.strip_suffix(&suffix).unwrap_or(&text).to_owned(),
-                Some(n),
-            )
-        }
-        None => (text, None),
-    }
-}
-
-impl Error {
-    /// An I/O error of `what` (a path and what was read): `NotFound` for a
-    /// missing file, `Os` where the OS gave its number, else `Io`.
-    pub fn from_io(what: &str, e: &std::io::Error) -> Error {
-        let (text, errno) = os_text(e);
-        let message = format!("{what}: {text}");
-        match (e.kind(), errno) {
-            (std::io::ErrorKind::NotFound, _) => Error::NotFound(message),
-            (_, Some(errno)) => Error::Os { errno, message },
-            (_, None) => Error::Io(message),
+            CoreError::NotFound(msg) => PyFileNotFoundError::new_err(msg),
+            CoreError::Io(msg) => PyOSError::new_err(msg),
+            CoreError::Os { errno, message } => PyOSError::new_err((errno, message)),
+            CoreError::Format(msg) => PyValueError::new_err(msg),
+            CoreError::Deadline(msg) => PyTimeoutError::new_err(msg),
         }
     }
 }
@@ -186,14 +117,15 @@ pub enum TaskError {
         value: Py<pyo3::exceptions::PyBaseException>,
         traceback: Option<Py<PyTraceback>>,
     },
-    Core(Error),
+    /// The core failed it (a panic, a shutdown, a fork).
+    Core(CoreError),
 }
 
 impl TaskError {
     pub fn from_pyerr(py: Python<'_>, err: PyErr) -> Self {
         // pyo3's PanicException derives from BaseException; callers get an ordinary one.
         if err.is_instance_of::<pyo3::panic::PanicException>(py) {
-            return TaskError::Core(Error::Panic(err.value(py).to_string()));
+            return TaskError::Core(CoreError::Panic(err.value(py).to_string()));
         }
         let traceback = err.traceback(py).map(Bound::unbind);
         TaskError::Python {
@@ -211,7 +143,7 @@ impl TaskError {
                 let _ = value.setattr("__traceback__", tb);
                 PyErr::from_value(value.clone().into_any())
             }
-            TaskError::Core(err) => err.clone().into(),
+            TaskError::Core(err) => Error(err.clone()).into(),
         }
     }
 }
@@ -224,10 +156,10 @@ mod tests {
 
     /// Raises `err` as Python would see it; checks that its type is exactly
     /// `T` and an ordinary `Exception`, and returns its message.
-    fn raised<T: PyTypeInfo>(err: Error) -> String {
+    fn raised<T: PyTypeInfo>(err: CoreError) -> String {
         Python::initialize();
         Python::attach(|py| {
-            let e: PyErr = err.into();
+            let e: PyErr = Error(err).into();
             let ty = e.get_type(py);
             assert!(
                 ty.is(T::type_object(py)),
@@ -244,7 +176,7 @@ mod tests {
     fn cancelled_is_concurrent_futures_cancelled_error() {
         Python::initialize();
         Python::attach(|py| {
-            let e: PyErr = Error::Cancelled.into();
+            let e: PyErr = Error(CoreError::Cancelled).into();
             let cf = py.import("concurrent.futures").unwrap();
             assert!(e.get_type(py).is(cf.getattr("CancelledError").unwrap()));
             assert!(e.is_instance_of::<PyException>(py));
@@ -258,7 +190,7 @@ mod tests {
     #[test]
     fn timeout_is_timeout_error_with_the_seconds() {
         assert_eq!(
-            raised::<PyTimeoutError>(Error::Timeout(1.5)),
+            raised::<PyTimeoutError>(CoreError::Timeout(1.5)),
             "async_array: task not finished after 1.5 s"
         );
     }
@@ -266,28 +198,28 @@ mod tests {
     #[test]
     fn panic_is_runtime_error_with_the_panic_message() {
         assert_eq!(
-            raised::<PyRuntimeError>(Error::Panic("boom".into())),
+            raised::<PyRuntimeError>(CoreError::Panic("boom".into())),
             "async_array: Rust panic in a worker: boom"
         );
     }
 
     #[test]
     fn abandoned_is_runtime_error_that_names_fork() {
-        let msg = raised::<PyRuntimeError>(Error::Abandoned);
+        let msg = raised::<PyRuntimeError>(CoreError::Abandoned);
         assert!(msg.starts_with("async_array: this task was running in the parent"));
         assert!(msg.contains("os.fork()"), "{msg}");
     }
 
     #[test]
     fn queued_at_fork_is_runtime_error_that_names_fork() {
-        let msg = raised::<PyRuntimeError>(Error::QueuedAtFork);
+        let msg = raised::<PyRuntimeError>(CoreError::QueuedAtFork);
         assert!(msg.starts_with("async_array: this task was queued in the parent"));
         assert!(msg.contains("os.fork()"), "{msg}");
     }
 
     #[test]
     fn thread_start_is_runtime_error_with_the_os_error_and_the_count() {
-        let msg = raised::<PyRuntimeError>(Error::ThreadStart {
+        let msg = raised::<PyRuntimeError>(CoreError::ThreadStart {
             error: "Resource temporarily unavailable (os error 11)".into(),
             threads: 7,
         });
@@ -300,7 +232,7 @@ mod tests {
     #[test]
     fn shut_down_is_runtime_error() {
         assert_eq!(
-            raised::<PyRuntimeError>(Error::ShutDown),
+            raised::<PyRuntimeError>(CoreError::ShutDown),
             "async_array: the pool is shut down (interpreter exit); nothing new can run"
         );
     }
@@ -308,7 +240,7 @@ mod tests {
     #[test]
     fn invalid_argument_is_value_error_with_its_message() {
         assert_eq!(
-            raised::<PyValueError>(Error::InvalidArgument("bad shape".into())),
+            raised::<PyValueError>(CoreError::InvalidArgument("bad shape".into())),
             "bad shape"
         );
     }
@@ -316,7 +248,7 @@ mod tests {
     #[test]
     fn wrong_type_is_type_error_with_its_message() {
         assert_eq!(
-            raised::<PyTypeError>(Error::WrongType("len() of a 0-d HostBuffer".into())),
+            raised::<PyTypeError>(CoreError::WrongType("len() of a 0-d HostBuffer".into())),
             "len() of a 0-d HostBuffer"
         );
     }
@@ -324,7 +256,7 @@ mod tests {
     #[test]
     fn buffer_is_buffer_error_with_its_message() {
         assert_eq!(
-            raised::<PyBufferError>(Error::Buffer("read-only".into())),
+            raised::<PyBufferError>(CoreError::Buffer("read-only".into())),
             "read-only"
         );
     }
@@ -332,7 +264,7 @@ mod tests {
     #[test]
     fn out_of_memory_is_memory_error_with_the_size() {
         assert_eq!(
-            raised::<PyMemoryError>(Error::OutOfMemory(1 << 50)),
+            raised::<PyMemoryError>(CoreError::OutOfMemory(1 << 50)),
             format!(
                 "async_array: could not allocate {} bytes of 64-byte-aligned host memory",
                 1u64 << 50
@@ -346,7 +278,7 @@ mod tests {
         let mut cycle = labels.clone();
         cycle.push(labels[0].clone());
         assert_eq!(
-            raised::<WaitCycleError>(Error::Cycle {
+            raised::<WaitCycleError>(CoreError::Cycle {
                 labels: cycle,
                 index: 2
             }),
@@ -354,10 +286,10 @@ mod tests {
              (cycle: async_wrap(f) -> async_wrap(g) -> async_wrap(f))"
         );
         Python::attach(|py| {
-            let e: PyErr = Error::Cycle {
+            let e: PyErr = Error(CoreError::Cycle {
                 labels: vec!["f".into(), "f".into()],
                 index: 0,
-            }
+            })
             .into();
             assert!(e.is_instance_of::<PyRuntimeError>(py));
             let value = e.value(py);
@@ -373,7 +305,7 @@ mod tests {
     #[test]
     fn not_found_is_file_not_found_error_with_its_message() {
         assert_eq!(
-            raised::<PyFileNotFoundError>(Error::NotFound("f.safetensors: gone".into())),
+            raised::<PyFileNotFoundError>(CoreError::NotFound("f.safetensors: gone".into())),
             "f.safetensors: gone"
         );
     }
@@ -381,7 +313,7 @@ mod tests {
     #[test]
     fn io_is_os_error_with_its_message() {
         assert_eq!(
-            raised::<PyOSError>(Error::Io("f: bytes [8, 16): EIO".into())),
+            raised::<PyOSError>(CoreError::Io("f: bytes [8, 16): EIO".into())),
             "f: bytes [8, 16): EIO"
         );
     }
@@ -389,9 +321,9 @@ mod tests {
     #[test]
     fn an_os_error_number_picks_the_python_subclass_and_stays_its_errno() {
         let refused = std::io::Error::from_raw_os_error(libc::ECONNREFUSED);
-        let err = Error::from_io("u: header (bytes [0, 8))", &refused);
-        let Error::Os { errno, message } = &err else {
-            panic!("expected Error::Os, got {err:?}");
+        let err = CoreError::from_io("u: header (bytes [0, 8))", &refused);
+        let CoreError::Os { errno, message } = &err else {
+            panic!("expected CoreError::Os, got {err:?}");
         };
         // std's " (os error 111)" is dropped: Python shows "[Errno 111]" itself.
         assert_eq!(
@@ -403,7 +335,7 @@ mod tests {
         );
         Python::initialize();
         Python::attach(|py| {
-            let e: PyErr = err.into();
+            let e: PyErr = Error(err).into();
             let refused_type = py
                 .import("builtins")
                 .and_then(|b| b.getattr("ConnectionRefusedError"))
@@ -414,16 +346,19 @@ mod tests {
         });
         let missing = std::io::Error::from_raw_os_error(libc::ENOENT);
         assert!(
-            matches!(Error::from_io("f", &missing), Error::NotFound(m) if m == "f: No such file or directory")
+            matches!(CoreError::from_io("f", &missing), CoreError::NotFound(m) if m == "f: No such file or directory")
         );
         let custom = std::io::Error::other("cut");
-        assert_eq!(Error::from_io("f", &custom), Error::Io("f: cut".into()));
+        assert_eq!(
+            CoreError::from_io("f", &custom),
+            CoreError::Io("f: cut".into())
+        );
     }
 
     #[test]
     fn format_is_value_error_with_its_message() {
         assert_eq!(
-            raised::<PyValueError>(Error::Format("f: header is not a JSON object".into())),
+            raised::<PyValueError>(CoreError::Format("f: header is not a JSON object".into())),
             "f: header is not a JSON object"
         );
     }
@@ -431,7 +366,7 @@ mod tests {
     #[test]
     fn deadline_is_timeout_error_with_its_message() {
         assert_eq!(
-            raised::<PyTimeoutError>(Error::Deadline("u: bytes [0, 8): past 2 s".into())),
+            raised::<PyTimeoutError>(CoreError::Deadline("u: bytes [0, 8): past 2 s".into())),
             "u: bytes [0, 8): past 2 s"
         );
     }

@@ -3,24 +3,65 @@
 //! `HostBuffer`s. What `async_array.load_safetensors` drives from Python.
 
 use crate::error::Error;
-use crate::hostbuffer::HostBuffer;
-use crate::http::{Http, RemoteFile};
-use crate::readplan::Plan;
-use crate::safetensors::{LocalFile, TensorInfo};
+use crate::host_buffer::HostBuffer;
+use async_array_core::safetensors::http::{Http, RemoteFile};
+use async_array_core::safetensors::local::LocalFile;
+use async_array_core::safetensors::plan::Plan;
+use async_array_core::safetensors::TensorInfo as CoreTensorInfo;
+use async_array_core::time::timeout_from_secs;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
-use std::time::Duration;
+use pyo3::types::{PyString, PyTuple};
 
-/// A timeout in seconds as Python gives it (None: none; negative: zero).
-fn duration(timeout: Option<f64>) -> Result<Option<Duration>, Error> {
-    match timeout {
-        None => Ok(None),
-        Some(t) if t.is_nan() => Err(Error::InvalidArgument(
-            "timeout must be a number of seconds or None, got nan".into(),
-        )),
-        Some(t) => Ok(Some(
-            Duration::try_from_secs_f64(t.max(0.0)).unwrap_or(Duration::MAX),
-        )),
+/// One tensor of a safetensors file, as its header describes it.
+#[pyclass(frozen, name = "TensorInfo", module = "async_array._core")]
+#[derive(Clone, PartialEq)]
+pub struct TensorInfo {
+    /// The tensor's name in the header.
+    #[pyo3(get)]
+    name: String,
+    /// Its safetensors dtype code (`"F32"`, `"BF16"`).
+    #[pyo3(get)]
+    dtype: &'static str,
+    /// The numpy dtype of the same elements (`"float32"`, `"bfloat16"`).
+    #[pyo3(get)]
+    numpy_dtype: &'static str,
+    shape: Vec<u64>,
+    /// Its first byte, counted from the start of the file.
+    #[pyo3(get)]
+    start: u64,
+    /// One past its last byte, counted from the start of the file.
+    #[pyo3(get)]
+    end: u64,
+}
+
+impl From<&CoreTensorInfo> for TensorInfo {
+    fn from(t: &CoreTensorInfo) -> Self {
+        TensorInfo {
+            name: t.name.clone(),
+            dtype: t.dtype.name(),
+            numpy_dtype: t.dtype.numpy_name(),
+            shape: t.shape.clone(),
+            start: t.start,
+            end: t.end,
+        }
+    }
+}
+
+#[pymethods]
+impl TensorInfo {
+    /// Its shape.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.shape)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let name = PyString::new(py, &self.name).repr()?;
+        let shape = self.shape(py)?.repr()?;
+        Ok(format!(
+            "TensorInfo(name={name}, dtype='{}', numpy_dtype='{}', shape={shape}, start={}, end={})",
+            self.dtype, self.numpy_dtype, self.start, self.end
+        ))
     }
 }
 
@@ -39,7 +80,7 @@ pub struct SafetensorsFile {
 }
 
 impl SafetensorsFile {
-    fn tensor_list(&self) -> &[TensorInfo] {
+    fn tensor_list(&self) -> &[CoreTensorInfo] {
         match &self.file {
             Backing::Local(f) => &f.tensors,
             Backing::Remote(f) => &f.tensors,
@@ -71,7 +112,7 @@ impl SafetensorsFile {
             .to_str()
             .filter(|s| s.starts_with("http://") || s.starts_with("https://"));
         let file = if let Some(url) = url {
-            let http = Http::new(duration(timeout)?, retries)?;
+            let http = Http::new(timeout_from_secs(timeout)?, retries)?;
             Backing::Remote(py.detach(|| RemoteFile::open(url, http))?)
         } else {
             Backing::Local(py.detach(|| LocalFile::open(&source))?)
@@ -104,26 +145,10 @@ impl SafetensorsFile {
         matches!(self.file, Backing::Remote(_))
     }
 
-    /// The tensors in file order: `(name, safetensors dtype, numpy dtype name,
-    /// shape, start, end)`, with absolute byte offsets, end exclusive.
+    /// The tensors in file order, a `TensorInfo` each.
     #[getter]
-    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let items = self
-            .tensor_list()
-            .iter()
-            .map(|t| {
-                (
-                    t.name.as_str(),
-                    t.dtype.name(),
-                    t.dtype.numpy_name(),
-                    PyTuple::new(py, &t.shape)?,
-                    t.start,
-                    t.end,
-                )
-                    .into_pyobject(py)
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, items)
+    fn tensors(&self) -> Vec<TensorInfo> {
+        self.tensor_list().iter().map(TensorInfo::from).collect()
     }
 
     /// Reads tensors or blocks of them into new 64-byte-aligned
@@ -143,7 +168,8 @@ impl SafetensorsFile {
         let tensors = self.tensor_list();
         let mut plan = Plan::default();
         for (tensor, _, bounds) in &wants {
-            plan.add(tensors, *tensor, bounds.as_deref())?;
+            plan.add(tensors, *tensor, bounds.as_deref())
+                .map_err(Error)?;
         }
         plan.sort();
         let results = py.detach(|| match &self.file {
@@ -159,18 +185,10 @@ impl SafetensorsFile {
                     let buffer = HostBuffer::from_memory(memory, shape, dtype)?;
                     Ok(Py::new(py, buffer)?.into_any())
                 }
-                Err(err) => Ok(PyErr::from(err).into_value(py).into_any()),
+                Err(err) => Ok(PyErr::from(Error(err)).into_value(py).into_any()),
             })
             .collect()
     }
-}
-
-/// Bytes of tensor data this process has read from safetensors files and
-/// URLs so far (headers not counted; over HTTP, bytes between the blocks of
-/// one request count, since they came).
-#[pyfunction]
-pub fn tensor_bytes_read() -> u64 {
-    crate::readplan::tensor_bytes_read()
 }
 
 /// The first at most `max_bytes` bytes of `url` (a `model.safetensors.index.json`,
@@ -185,7 +203,7 @@ pub fn read_url_prefix(
     timeout: Option<f64>,
     retries: u32,
 ) -> Result<(Vec<u8>, u64), Error> {
-    let http = Http::new(duration(timeout)?, retries)?;
+    let http = Http::new(timeout_from_secs(timeout)?, retries)?;
     py.detach(|| {
         let mut out = Vec::new();
         let end = max_bytes.max(1);

@@ -4,9 +4,9 @@
 //!
 //! Plain Rust. Every error names the URL and the byte range.
 
+use super::{header_len, parse_header, TensorInfo, FIRST_READ};
 use crate::error::Error;
-use crate::locks::{lock, wait_once};
-use crate::safetensors::{header_len, parse_header, TensorInfo, FIRST_READ};
+use crate::sync::{lock, wait_once};
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 /// host by one file's agent: the reads of one file share them. Unbounded, 208 pool
 /// workers opened 202 connections at once; a server's listen backlog
 /// (Python's `socketserver`: 5) dropped the rest, whose connects then waited
-/// out TCP's retransmission backoff (28 s of a 3 s load, issue 17).
+/// out TCP's retransmission backoff (28 s of a 3 s load).
 pub const POOL_CONNECTIONS: usize = 8;
 
 /// Set at interpreter exit ([`abandon_reads`]): reads stop at their next
@@ -39,6 +39,7 @@ const ABANDONED_TEXT: &str = "abandoned at interpreter exit";
 
 /// First wait before a retry; doubled at each retry, at most [`MAX_BACKOFF`].
 pub const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+/// The longest pause between two retries.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// How requests are made: the deadline of each (whole request, retries
@@ -47,7 +48,9 @@ pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct Http {
     agent: ureq::Agent,
+    /// Bounds each request, retries included (`None`: no bound).
     pub timeout: Option<Duration>,
+    /// How often a connection error or 5xx is retried.
     pub retries: u32,
 }
 
@@ -58,8 +61,11 @@ pub struct Http {
 /// old header's offsets of the new file's bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Version {
+    /// The file's size.
     pub total: u64,
+    /// Its `ETag`, if the server sent one.
     pub etag: Option<String>,
+    /// Its `Last-Modified`, if the server sent one.
     pub last_modified: Option<String>,
 }
 
@@ -213,6 +219,7 @@ fn shared_agent() -> Result<ureq::Agent, Error> {
 }
 
 impl Http {
+    /// A client with a request `timeout` and `retries`; fails when TLS cannot be set up.
     pub fn new(timeout: Option<Duration>, retries: u32) -> Result<Http, Error> {
         let agent = shared_agent()?;
         Ok(Http {
@@ -534,9 +541,13 @@ enum Attempt {
 /// What kind of failure a read met (which Python exception it becomes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailureKind {
+    /// The file is not there (404).
     NotFound,
+    /// A connection or transfer failed.
     Io,
+    /// A request ran past its deadline.
     Deadline,
+    /// What was asked or what came back makes no sense.
     Invalid,
 }
 
@@ -544,7 +555,9 @@ pub enum FailureKind {
 /// tensor and bytes it was and names them with [`Failure::at`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Failure {
+    /// What kind of failure.
     pub kind: FailureKind,
+    /// What happened, for the message.
     pub detail: String,
     /// The OS's error number, where it gave one (`Io` only).
     pub errno: Option<i32>,
@@ -558,6 +571,7 @@ impl Failure {
             errno: None,
         }
     }
+    /// An I/O failure.
     pub fn io(detail: String) -> Failure {
         Failure::of(FailureKind::Io, detail)
     }
@@ -568,12 +582,15 @@ impl Failure {
             ..Failure::io(detail)
         }
     }
+    /// A missing file.
     pub fn not_found(detail: String) -> Failure {
         Failure::of(FailureKind::NotFound, detail)
     }
+    /// A request past its deadline.
     pub fn deadline(detail: String) -> Failure {
         Failure::of(FailureKind::Deadline, detail)
     }
+    /// A request that makes no sense.
     pub fn invalid(detail: &str) -> Failure {
         Failure::of(FailureKind::Invalid, detail.to_owned())
     }
@@ -619,9 +636,13 @@ pub fn parse_content_range(value: &str, start: u64, end: u64, upto: bool) -> Opt
 
 /// A safetensors file served over HTTP(S) and its validated header.
 pub struct RemoteFile {
+    /// The URL it was opened with.
     pub url: String,
+    /// The client that reads it.
     pub http: Http,
+    /// Its size in bytes.
     pub len: u64,
+    /// Its tensors, in file order.
     pub tensors: Vec<TensorInfo>,
     /// The file as its header was read: every tensor read must match it.
     pub version: Version,

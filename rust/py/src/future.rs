@@ -2,23 +2,20 @@
 //! many futures at once (`wait_all`, `Watcher`). Every wait goes through
 //! [`wait_detached`], so none holds the GIL and Ctrl-C interrupts each.
 
-use crate::attach::{call_or_park, park_on_thread_exit};
-use crate::cycle::{find_cycle, BlockedOn};
+use crate::current::{self, CoreFuture};
 use crate::error::{Error, TaskError};
-use crate::future::{self, CompletionQueue, Countdown, Outcome, Status, WeakFuture};
+use crate::interp::{call_or_park, deadline_after, park_on_thread_exit, wait_detached};
 use crate::runtime::pool;
-use crate::task;
-use crate::wait::{deadline_after, wait_detached};
+use async_array_core::future::cycle::find_cycle;
+use async_array_core::future::waits::{self, CompletionQueue, Countdown};
+use async_array_core::future::{BlockedOn, Outcome, Status, WeakFuture};
+use async_array_core::Error as CoreError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTraceback, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-
-/// The core future behind every Python `Future`: a task's return value, or
-/// why it failed.
-pub type CoreFuture = future::Future<Py<PyAny>, TaskError>;
 
 /// A wait of the pool task running on this thread, recorded on the task's
 /// future for other tasks' cycle checks while it lasts.
@@ -32,7 +29,7 @@ impl Drop for WaitRecord {
 
 /// Before a wait on `on` (all of them, or any one when `any`) that may block:
 /// on a pool worker running a task, records the wait and fails with
-/// [`Error::Cycle`] when it could never end. Elsewhere (the main thread, any
+/// [`CoreError::Cycle`] when it could never end. Elsewhere (the main thread, any
 /// thread that runs no task) it costs one thread-local read. A poll
 /// (`timeout <= 0`) cannot hang and is not checked.
 fn check_wait(
@@ -44,7 +41,7 @@ fn check_wait(
     if timeout.is_some_and(|t| t <= 0.0) {
         return Ok(None);
     }
-    let Some((me, label)) = task::running(py) else {
+    let Some((me, label)) = current::running(py) else {
         return Ok(None);
     };
     me.set_blocked_on(Some(BlockedOn {
@@ -55,10 +52,10 @@ fn check_wait(
     let record = WaitRecord(me);
     match find_cycle(&record.0) {
         None => Ok(Some(record)),
-        Some(cycle) => Err(Error::Cycle {
+        Some(cycle) => Err(Error(CoreError::Cycle {
             labels: cycle.labels.iter().map(|l| l.to_string()).collect(),
             index: cycle.index,
-        }),
+        })),
     }
 }
 
@@ -99,7 +96,7 @@ impl PyFuture {
         timeout: Option<f64>,
     ) -> PyResult<&Outcome<Py<PyAny>, TaskError>> {
         if !self.timed_wait(py, timeout)? {
-            return Err(Error::Timeout(timeout.unwrap_or_default()).into());
+            return Err(Error(CoreError::Timeout(timeout.unwrap_or_default())).into());
         }
         Ok(self.inner.outcome().expect("finished"))
     }
@@ -213,7 +210,7 @@ impl PyFuture {
         match self.finished_or_timeout(py, timeout)? {
             Outcome::Value(v) => Ok(v.clone_ref(py)),
             Outcome::Error(e) => Err(e.to_pyerr(py)),
-            Outcome::Cancelled => Err(Error::Cancelled.into()),
+            Outcome::Cancelled => Err(Error(CoreError::Cancelled).into()),
         }
     }
 
@@ -223,7 +220,7 @@ impl PyFuture {
         match self.finished_or_timeout(py, timeout)? {
             Outcome::Value(_) => Ok(None),
             Outcome::Error(e) => Ok(Some(e.to_pyerr(py).into_value(py).into_any())),
-            Outcome::Cancelled => Err(Error::Cancelled.into()),
+            Outcome::Cancelled => Err(Error(CoreError::Cancelled).into()),
         }
     }
 
@@ -301,7 +298,7 @@ pub fn wait_all(
     let deadline = deadline_after(timeout)?;
     let _record = check_wait(py, &futures, false, timeout)?;
     let done = wait_detached(py, pool(), deadline, |slice| {
-        future::wait_all(&futures, slice).then_some(())
+        waits::wait_all(&futures, slice).then_some(())
     })?;
     Ok(done.is_some())
 }
@@ -379,7 +376,7 @@ impl Watcher {
             return Ok(Some(self.returning(i)));
         }
         let deadline = deadline_after(timeout)?;
-        let (indices, left): (Vec<usize>, Vec<CoreFuture>) = if task::running(py).is_some() {
+        let (indices, left): (Vec<usize>, Vec<CoreFuture>) = if current::running(py).is_some() {
             (0..self.futures.len())
                 .filter(|&i| !self.returned[i].load(Ordering::Acquire))
                 .filter_map(|i| self.futures[i].upgrade().map(|f| (i, f)))
@@ -388,10 +385,10 @@ impl Watcher {
             (Vec::new(), Vec::new())
         };
         let _record = check_wait(py, &left, true, timeout).map_err(|e| match e {
-            Error::Cycle { labels, index } => Error::Cycle {
+            Error(CoreError::Cycle { labels, index }) => Error(CoreError::Cycle {
                 labels,
                 index: indices[index],
-            },
+            }),
             other => other,
         })?;
         let q = &self.queue;

@@ -1,6 +1,15 @@
-//! How pool workers call into Python without crashing the process at exit.
+//! The rules for touching the interpreter from threads.
 //!
-//! Before Python 3.14, a thread that retakes the GIL while the interpreter
+//! 1. Every blocking wait reachable from Python goes through [`wait_detached`]:
+//!    it detaches from the interpreter (so other Python threads and the
+//!    workers run), waits in slices of at most [`SLICE`], and checks for
+//!    signals between slices so that Ctrl-C interrupts a wait of any length.
+//!    On a pool worker it also tells the pool the worker is blocked, so the
+//!    pool can start a stand-in.
+//! 2. A worker calls Python only through [`call_or_park`] (or inside
+//!    [`park_on_thread_exit`]), never while it holds a core lock.
+//!
+//! Why rule 2: before Python 3.14, a thread that retakes the GIL while the interpreter
 //! finalizes is ended with `pthread_exit`, a forced unwind. Python code inside
 //! a task retakes the GIL on its own (after `time.sleep`, a blocking read, an
 //! extension that released it), so that unwind can start in any call into
@@ -11,10 +20,48 @@
 //! (pyo3 guards `PyGILState_Ensure` the same way). The call itself must be
 //! declared `C-unwind`: see [`call_or_park`].
 
+use crate::error::Error;
+use async_array_core::pool::Pool;
+use async_array_core::time::timeout_from_secs;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use std::cell::Cell;
+use std::time::{Duration, Instant};
+
+/// Longest stretch without a signal check (the contract says Ctrl-C within 100 ms).
+pub const SLICE: Duration = Duration::from_millis(50);
+
+/// The deadline of a timeout in seconds as Python gives it (`None`, or one
+/// too far to reach: none).
+pub fn deadline_after(timeout: Option<f64>) -> Result<Option<Instant>, Error> {
+    Ok(timeout_from_secs(timeout)?.and_then(|d| Instant::now().checked_add(d)))
+}
+
+/// Calls `attempt(slice_deadline)` detached from the interpreter until it
+/// returns `Some`, or until `deadline` passes (then `Ok(None)`). `attempt` must
+/// return promptly once its slice deadline passes.
+pub fn wait_detached<R: Send>(
+    py: Python<'_>,
+    pool: &Pool,
+    deadline: Option<Instant>,
+    mut attempt: impl FnMut(Option<Instant>) -> Option<R> + Send,
+) -> PyResult<Option<R>> {
+    pool.blocking(|| loop {
+        let now = Instant::now();
+        let slice_end = match deadline {
+            Some(d) if d <= now + SLICE => d,
+            _ => now + SLICE,
+        };
+        if let Some(r) = py.detach(|| attempt(Some(slice_end))) {
+            return Ok(Some(r));
+        }
+        py.check_signals()?;
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(None);
+        }
+    })
+}
 
 /// Runs `call` (a call into Python) so that a `pthread_exit` during it parks
 /// this thread instead of unwinding further. A Rust panic passes through.

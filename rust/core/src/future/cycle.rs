@@ -13,31 +13,9 @@
 //! lock over the whole: of two tasks that start waiting on each other at once,
 //! each records its wait before it checks, so the later check sees both.
 
-use crate::future::{Future, WeakFuture};
+use super::{Future, WeakFuture};
 use std::collections::HashMap;
 use std::sync::Arc;
-
-/// What must finish before a future can.
-pub struct BlockedOn<T, E> {
-    /// How messages name the future (its task's call); `None` for a future
-    /// that a message need not name (its producer names it).
-    pub label: Option<Arc<str>>,
-    /// True when any one of `on` finishing lets it go on (`as_completed`),
-    /// false when it needs all of them.
-    pub any: bool,
-    /// Weak, so that a record never keeps a future (or its value) alive.
-    pub on: Vec<WeakFuture<T, E>>,
-}
-
-impl<T, E> Clone for BlockedOn<T, E> {
-    fn clone(&self) -> Self {
-        BlockedOn {
-            label: self.label.clone(),
-            any: self.any,
-            on: self.on.clone(),
-        }
-    }
-}
 
 /// A wait that would never end.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -159,6 +137,7 @@ pub fn find_cycle<T, E>(me: &Future<T, E>) -> Option<Cycle> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::BlockedOn;
     use super::*;
 
     type F = Future<u32, ()>;

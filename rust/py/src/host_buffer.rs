@@ -2,14 +2,18 @@
 //! through the buffer protocol (for `readinto`, `recv_into`, numpy views) and
 //! through DLPack (for a zero-copy hand-off to JAX).
 
-use crate::buffer::{self, AlignedBuf};
-use crate::dlpack::{self, code, DLDataType};
 use crate::error::Error;
+use async_array_core::buffer::{self, AlignedBuf};
+use async_array_core::dlpack::{self, code, DLDataType};
+use async_array_core::dlpack::{
+    DLDevice, DLManagedTensor, DLManagedTensorVersioned, DLPackVersion, DLTensor, KDL_CPU,
+};
+use async_array_core::Error as CoreError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
-use std::ffi::{c_int, CStr};
+use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -68,11 +72,11 @@ impl ElementType {
         let name = dtype
             .str()
             .map_or_else(|_| "?".to_owned(), |s| s.to_string());
-        Error::WrongType(format!(
+        Error(CoreError::WrongType(format!(
             "dtype {name} is not supported: a HostBuffer holds bool, int8-int64, \
              uint8-uint64, float16, bfloat16, float32, float64, complex64 or \
              complex128, in native byte order"
-        ))
+        )))
     }
 }
 
@@ -114,11 +118,11 @@ impl HostBuffer {
             .iter()
             .try_fold(element.itemsize, |acc, &d| acc.checked_mul(d));
         if needed != Some(memory.len()) {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error(CoreError::InvalidArgument(format!(
                 "HostBuffer: {} bytes cannot hold shape {shape:?} of itemsize {}",
                 memory.len(),
                 element.itemsize
-            ))
+            )))
             .into());
         }
         Ok(Self::with_memory(memory, shape, dtype.unbind(), element))
@@ -171,9 +175,9 @@ impl HostBuffer {
         let element = ElementType::of(&dtype)?;
         let itemsize = element.itemsize;
         if shape.iter().any(|&d| d < 0) {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error(CoreError::InvalidArgument(format!(
                 "HostBuffer: negative dimension in shape {shape:?}"
-            ))
+            )))
             .into());
         }
         let shape: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
@@ -182,11 +186,11 @@ impl HostBuffer {
             .try_fold(itemsize, |acc, &d| acc.checked_mul(d))
             .filter(|&n| n <= isize::MAX as usize)
             .ok_or_else(|| {
-                Error::InvalidArgument(format!(
+                Error(CoreError::InvalidArgument(format!(
                     "HostBuffer of shape {shape:?} and itemsize {itemsize} overflows the address space"
-                ))
+                )))
             })?;
-        let memory = AlignedBuf::uninit(nbytes).ok_or(Error::OutOfMemory(nbytes))?;
+        let memory = AlignedBuf::uninit(nbytes).ok_or(Error(CoreError::OutOfMemory(nbytes)))?;
         Ok(Self::with_memory(memory, shape, dtype.unbind(), element))
     }
 
@@ -244,7 +248,7 @@ impl HostBuffer {
         self.shape
             .first()
             .copied()
-            .ok_or_else(|| Error::WrongType("len() of a 0-d HostBuffer".into()))
+            .ok_or_else(|| Error(CoreError::WrongType("len() of a 0-d HostBuffer".into())))
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
@@ -285,17 +289,17 @@ impl HostBuffer {
     ) -> PyResult<Bound<'py, PyAny>> {
         let this = slf.get();
         if stream.is_some_and(|s| !s.is_none()) {
-            return Err(Error::Buffer(
+            return Err(Error(CoreError::Buffer(
                 "HostBuffer.__dlpack__: host memory takes no stream; pass stream=None".into(),
-            )
+            ))
             .into());
         }
         if let Some(dev) = dl_device {
             let cpu = (dlpack::KDL_CPU, 0);
             if dev != cpu {
-                return Err(Error::Buffer(format!(
+                return Err(Error(CoreError::Buffer(format!(
                     "HostBuffer.__dlpack__: memory is on the CPU (device {cpu:?}); dl_device={dev:?} asks for another"
-                ))
+                )))
                 .into());
             }
         }
@@ -304,10 +308,10 @@ impl HostBuffer {
             let memory = this
                 .memory
                 .try_clone()
-                .ok_or(Error::OutOfMemory(this.nbytes()))?;
-            return dlpack::export(
+                .ok_or(Error(CoreError::OutOfMemory(this.nbytes())))?;
+            return export(
                 slf.py(),
-                dlpack::Export {
+                Export {
                     memory: &Arc::new(memory),
                     shape: &this.shape,
                     dtype: this.dl_dtype,
@@ -319,19 +323,19 @@ impl HostBuffer {
         // One thread wins the hand-over; every later export is read-only.
         let was_exported = this.exported.swap(true, Ordering::AcqRel);
         if was_exported && !versioned {
-            return Err(Error::Buffer(
+            return Err(Error(CoreError::Buffer(
                 "HostBuffer.__dlpack__: the buffer was handed to JAX and is read-only, and a \
                  consumer that passes no max_version (DLPack < 1.0) cannot be told so. Ask \
                  with max_version=(1, 0) for a read-only export (np.from_dlpack does from \
                  numpy 2.1), with copy=True for a writable copy, or use np.asarray(buf) \
                  (a read-only view) or the jax.Array itself"
                     .into(),
-            )
+            ))
             .into());
         }
-        dlpack::export(
+        export(
             slf.py(),
-            dlpack::Export {
+            Export {
                 memory: &this.memory,
                 shape: &this.shape,
                 dtype: this.dl_dtype,
@@ -350,9 +354,9 @@ impl HostBuffer {
     /// before (JAX never writes an array's memory). Marks the buffer exported.
     fn jax_capsule<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         self.mark_exported();
-        dlpack::export(
+        export(
             py,
-            dlpack::Export {
+            Export {
                 memory: &self.memory,
                 shape: &self.shape,
                 dtype: self.dl_dtype,
@@ -387,11 +391,11 @@ impl HostBuffer {
             let wanted = np.getattr("dtype")?.call1((wanted,))?;
             if !wanted.eq(this.dtype.bind(py))? {
                 if copy == Some(false) {
-                    return Err(Error::InvalidArgument(format!(
+                    return Err(Error(CoreError::InvalidArgument(format!(
                         "HostBuffer: a {} view of {} memory needs a copy, and copy=False forbids one",
                         wanted.str()?,
                         this.dtype.bind(py).str()?
-                    ))
+                    )))
                     .into());
                 }
                 return array.call_method1("astype", (wanted,));
@@ -417,23 +421,23 @@ impl HostBuffer {
     ) -> PyResult<()> {
         let this = slf.get();
         if view.is_null() {
-            return Err(Error::Buffer("HostBuffer: no view to fill".into()).into());
+            return Err(Error(CoreError::Buffer("HostBuffer: no view to fill".into())).into());
         }
         let writable = flags & ffi::PyBUF_WRITABLE != 0;
         let exported = this.exported();
         if writable && exported {
-            return Err(Error::Buffer(
+            return Err(Error(CoreError::Buffer(
                 "HostBuffer was handed to JAX (zero-copy) and is now read-only; \
                  allocate a new buffer with async_array.empty() to write"
                     .into(),
-            )
+            ))
             .into());
         }
         let typed = flags & ffi::PyBUF_FORMAT != 0;
         if typed && this.format.is_none() {
-            return Err(Error::Buffer(
+            return Err(Error(CoreError::Buffer(
                 "HostBuffer: this dtype has no PEP 3118 format; use np.asarray(buf)".into(),
-            )
+            ))
             .into());
         }
         // SAFETY: `view` is non-null (checked); every pointer stored in it
@@ -498,16 +502,141 @@ impl ByteView {
     }
 }
 
-/// How many aligned host allocations are alive (for leak tests).
-#[pyfunction]
-pub fn live_host_buffers() -> usize {
-    buffer::live_buffers()
-}
-
 /// Whether buffers from 4 MiB on ask for transparent huge pages in this
 /// process (see `buffer`: not where a VM's balloon reports free pages, unless
 /// `ASYNC_ARRAY_HUGE_PAGES` says otherwise).
 #[pyfunction]
 pub fn huge_pages() -> bool {
     buffer::huge_pages()
+}
+
+// DLPack export: the legacy `DLManagedTensor` in a capsule named `dltensor`,
+// and `DLManagedTensorVersioned` in one named `dltensor_versioned` for
+// consumers that ask with `max_version >= (1, 0)`. A consumer renames the
+// capsule to `used_...` and calls the deleter when it lets go, from any
+// thread, with or without the GIL; the deleter only drops an `Arc`, so no
+// Python is involved.
+
+/// What a tensor export keeps alive: the memory and the shape it points at.
+struct Owner {
+    _memory: Arc<AlignedBuf>,
+    shape: Vec<i64>,
+}
+
+/// A managed tensor and its owner in one allocation, freed by its deleter.
+#[repr(C)]
+struct Holder<M> {
+    managed: M,
+    owner: Owner,
+}
+
+unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
+    if !managed.is_null() {
+        // SAFETY: `managed` is the first field of a boxed `Holder` made in `export`.
+        drop(unsafe { Box::from_raw(managed.cast::<Holder<DLManagedTensor>>()) });
+    }
+}
+
+unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
+    if !managed.is_null() {
+        // SAFETY: as above.
+        drop(unsafe { Box::from_raw(managed.cast::<Holder<DLManagedTensorVersioned>>()) });
+    }
+}
+
+const LEGACY: &CStr = c"dltensor";
+const VERSIONED: &CStr = c"dltensor_versioned";
+
+/// Frees an export nobody consumed (the capsule still has its first name).
+unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
+    // SAFETY: CPython calls this with a live capsule; the name checks tell which
+    // layout (if any) it still owns, and never set an error when they fail.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, LEGACY.as_ptr()) == 1 {
+            let m = ffi::PyCapsule_GetPointer(capsule, LEGACY.as_ptr()).cast::<DLManagedTensor>();
+            delete_legacy(m);
+        } else if ffi::PyCapsule_IsValid(capsule, VERSIONED.as_ptr()) == 1 {
+            let m = ffi::PyCapsule_GetPointer(capsule, VERSIONED.as_ptr())
+                .cast::<DLManagedTensorVersioned>();
+            delete_versioned(m);
+        }
+    }
+}
+
+/// A C-contiguous CPU tensor to export.
+pub struct Export<'a> {
+    pub memory: &'a Arc<AlignedBuf>,
+    pub shape: &'a [usize],
+    pub dtype: DLDataType,
+    /// `DLManagedTensorVersioned` (DLPack >= 1.0) rather than the legacy layout.
+    pub versioned: bool,
+    /// `FLAG_*` bits; only the versioned layout can carry them.
+    pub flags: u64,
+}
+
+/// Wraps `export` in a DLPack capsule that keeps its memory alive.
+pub fn export<'py>(py: Python<'py>, export: Export<'_>) -> PyResult<Bound<'py, PyAny>> {
+    debug_assert!(
+        export.versioned || export.flags == 0,
+        "the legacy layout has no flags"
+    );
+    let mut owner = Owner {
+        _memory: Arc::clone(export.memory),
+        shape: export.shape.iter().map(|&d| d as i64).collect(),
+    };
+    let tensor = DLTensor {
+        data: export.memory.as_ptr().cast(),
+        device: DLDevice {
+            device_type: KDL_CPU,
+            device_id: 0,
+        },
+        ndim: owner.shape.len() as i32,
+        dtype: export.dtype,
+        shape: owner.shape.as_mut_ptr(),
+        // NULL strides means C-contiguous (DLPack >= 0.2).
+        strides: std::ptr::null_mut(),
+        byte_offset: 0,
+    };
+    let (ptr, name): (*mut c_void, &'static CStr) = if export.versioned {
+        let holder = Box::new(Holder {
+            managed: DLManagedTensorVersioned {
+                version: DLPackVersion { major: 1, minor: 1 },
+                manager_ctx: std::ptr::null_mut(),
+                deleter: Some(delete_versioned),
+                flags: export.flags,
+                dl_tensor: tensor,
+            },
+            owner,
+        });
+        (Box::into_raw(holder).cast(), VERSIONED)
+    } else {
+        let holder = Box::new(Holder {
+            managed: DLManagedTensor {
+                dl_tensor: tensor,
+                manager_ctx: std::ptr::null_mut(),
+                deleter: Some(delete_legacy),
+            },
+            owner,
+        });
+        (Box::into_raw(holder).cast(), LEGACY)
+    };
+    // SAFETY: `ptr` is a live boxed holder whose layout `name` tells; the capsule
+    // destructor frees it unless a consumer renamed the capsule (then the
+    // consumer calls the deleter).
+    unsafe {
+        let capsule = ffi::PyCapsule_New(
+            ptr,
+            name.as_ptr() as *const c_char,
+            Some(capsule_destructor),
+        );
+        if capsule.is_null() {
+            if export.versioned {
+                delete_versioned(ptr.cast());
+            } else {
+                delete_legacy(ptr.cast());
+            }
+            return Err(PyErr::fetch(py));
+        }
+        Ok(Bound::from_owned_ptr(py, capsule))
+    }
 }

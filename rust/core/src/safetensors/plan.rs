@@ -18,11 +18,11 @@
 //! often closer than that; then a request brings the bytes of the other
 //! blocks of those rows too, and the server sends more than the block's bytes.
 
+use super::http::{Failure, RemoteFile};
+use super::local::{preadv_exact, LocalFile};
+use super::{count_tensor_bytes, TensorInfo};
 use crate::buffer::AlignedBuf;
 use crate::error::Error;
-use crate::http::{Failure, RemoteFile};
-use crate::safetensors::{LocalFile, TensorInfo};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Over HTTP, pieces at most this many bytes apart share one range request.
 pub const HTTP_GAP: u64 = 64 * 1024;
@@ -30,34 +30,32 @@ pub const HTTP_GAP: u64 = 64 * 1024;
 /// At most this many pieces in one `preadv` (Linux's `IOV_MAX`).
 const IOV_MAX: usize = 1024;
 
-/// Bytes of tensor data this process has received from files and URLs
-/// (headers not counted; over HTTP, the bytes between pieces of one request
-/// are counted, since they came).
-static TENSOR_BYTES_READ: AtomicU64 = AtomicU64::new(0);
-
-pub fn tensor_bytes_read() -> u64 {
-    TENSOR_BYTES_READ.load(Ordering::Relaxed)
-}
-
 /// One contiguous byte range of the file and where it goes: `len` bytes from
 /// file offset `src` to offset `dst` of output `out`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Piece {
+    /// Its first byte in the file.
     pub src: u64,
+    /// How many bytes.
     pub len: u64,
+    /// Which output they go to.
     pub out: usize,
+    /// Where in that output.
     pub dst: u64,
 }
 
 /// One output of a read: a tensor whole, or one block of it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Output {
+    /// The tensor's position in the file's tensor list.
     pub tensor: usize,
     /// The block's shape (the tensor's for a whole tensor).
     pub shape: Vec<u64>,
+    /// Its size in bytes.
     pub nbytes: u64,
-    /// The first and last-plus-one file bytes it takes (`lo == hi` when empty).
+    /// The first file byte it takes (`lo == hi` when it takes none).
     pub lo: u64,
+    /// One past the last file byte it takes.
     pub hi: u64,
     /// How many runs it is read from.
     pub runs: usize,
@@ -68,7 +66,9 @@ pub struct Output {
 /// What one call reads: its outputs, and every piece in file order.
 #[derive(Debug, Default)]
 pub struct Plan {
+    /// What the call returns, in the order asked.
     pub outputs: Vec<Output>,
+    /// Every piece, in file order.
     pub pieces: Vec<Piece>,
 }
 
@@ -375,7 +375,7 @@ impl Plan {
                 false,
                 Some(&file.version),
                 &mut |mut chunk| {
-                    TENSOR_BYTES_READ.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                    count_tensor_bytes(chunk.len() as u64);
                     while !chunk.is_empty() && k < group.len() {
                         let p = group[k];
                         if pos < p.src {
@@ -412,70 +412,10 @@ impl Plan {
     }
 }
 
-/// Reads exactly the bytes `iov` describes, from `offset` on (retried on
-/// interruption and short reads). The failure says what went wrong, with
-/// the OS's error number where it gave one.
-fn preadv_exact(
-    file: &std::fs::File,
-    iov: &mut [libc::iovec],
-    mut offset: u64,
-) -> Result<(), Failure> {
-    use std::os::unix::io::AsRawFd;
-    let total: usize = iov.iter().map(|v| v.iov_len).sum();
-    let mut done = 0usize;
-    let mut first = 0usize;
-    while first < iov.len() {
-        let rest = &iov[first..];
-        // SAFETY: every iovec points to writable memory of its length that
-        // outlives the call.
-        let n = unsafe {
-            libc::preadv(
-                file.as_raw_fd(),
-                rest.as_ptr(),
-                rest.len() as libc::c_int,
-                offset as libc::off_t,
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            let (text, errno) = crate::error::os_text(&e);
-            return Err(Failure::os(text, errno));
-        }
-        let mut n = n as usize;
-        if n == 0 {
-            return Err(Failure::io(format!(
-                "the file ended after {done} of {total} bytes (it was truncated while being read?)"
-            )));
-        }
-        TENSOR_BYTES_READ.fetch_add(n as u64, Ordering::Relaxed);
-        done += n;
-        offset += n as u64;
-        while n > 0 && first < iov.len() {
-            let v = &mut iov[first];
-            if n >= v.iov_len {
-                n -= v.iov_len;
-                first += 1;
-            } else {
-                // SAFETY: `n < iov_len`: still within the same memory.
-                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
-                v.iov_len -= n;
-                n = 0;
-            }
-        }
-        while first < iov.len() && iov[first].iov_len == 0 {
-            first += 1;
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::safetensors::Dtype;
+    use crate::safetensors::{tensor_bytes_read, Dtype};
 
     fn tensor(shape: &[u64], start: u64) -> TensorInfo {
         let n: u64 = shape.iter().product::<u64>() * 4;
