@@ -177,9 +177,7 @@ class _Compile:
         jax_work.enter()
         try:
             # Urgent: never behind loads.
-            self.future = _core.submit_urgent(
-                _compile, traced, context, label="aa.jit compilation"
-            )
+            self.future = _core.submit_urgent(_compile, traced, context, label="aa.jit compilation")
         except BaseException:
             jax_work.leave()
             raise
