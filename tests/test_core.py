@@ -229,7 +229,9 @@ def test_pool_wakes_idle_worker_after_a_stand_in_retires(pool_size):
         release, held = gate()
 
         def waits_then_submits(unblock):
-            unblock.result(WAIT)  # blocked: the pool may start a stand-in
+            # Blocked (the pool may start a stand-in) until the test has seen both
+            # spare workers idle, which its own steps may take up to 3 x WAIT to see.
+            unblock.result(4 * WAIT)
             ran = threading.Event()
             _core.submit(lambda: ran.set() or "inner")
             # A wait the pool does not see (as on a threading.Event): only the
