@@ -4,6 +4,7 @@ way out, every failure names its cause."""
 from __future__ import annotations
 
 import gc
+import http.server
 import os
 import signal
 import subprocess
@@ -379,6 +380,58 @@ def test_a_second_ctrl_c_during_the_exit_wait_leaves_without_a_traceback():
     assert "exit interrupted; leaving without waiting for the pool's tasks" in text, text
     for bad in ("Traceback", "Exception ignored", "FATAL", "Fatal Python error"):
         assert bad not in text, text
+
+
+THREAD_LOCALS_AT_EXIT_SCRIPT = """
+import http.client, sys, threading
+import jax
+import jax.numpy as jnp
+import numpy as np
+import async_array as aa
+
+local = threading.local()
+
+def load(path, spec):  # a keep-alive connection and a jax.Array per pool thread
+    if getattr(local, "conn", None) is None:
+        local.conn = http.client.HTTPConnection("127.0.0.1", PORT)
+    local.conn.request("GET", "/")
+    data = local.conn.getresponse().read()
+    local.array = jnp.asarray(np.frombuffer(data, np.float32))
+    return np.frombuffer(data, np.float32)[: spec.shape[0]].copy()
+
+like = [jax.ShapeDtypeStruct((256,), np.float32)] * 64
+assert len(aa.materialize(aa.async_map(load, like), 60)) == 64
+sys.exit(7)
+"""
+
+
+def test_what_pool_threads_keep_in_threading_local_never_aborts_the_exit():
+    body = np.arange(1024, dtype=F32).tobytes()
+
+    class Blob(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Blob)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        # It aborted 1 run in 4 ("FATAL: exception not rethrown"): five in a row.
+        for _ in range(5):
+            port = server.server_address[1]
+            proc = run_script(f"PORT = {port}\n" + THREAD_LOCALS_AT_EXIT_SCRIPT)
+            assert_exited_cleanly(proc, 7)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_bad_exit_grace_fails_at_import():

@@ -243,6 +243,11 @@ def _wait_at_exit() -> None:
     # A task's value freed after this is not freed at all (the core leaks what
     # nobody holds once exit began): freeing jax.Arrays enters JAX's C++ too.
     jax_work.drain(max(0.0, deadline - time.monotonic()))
+    # The pool's threads end now (shutdown woke them), each deleting its Python
+    # thread state while Python runs normally: what a task kept in
+    # threading.local (a socket, a jax.Array) is freed on its own thread here,
+    # not during finalization, where its destructor aborted the process.
+    _core.wait_for_threads_to_end(max(0.5, deadline - time.monotonic()))
 
 
 exit_grace()  # a bad value fails at import, not silently at exit

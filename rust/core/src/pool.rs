@@ -88,6 +88,9 @@ struct State {
     /// Threads of the urgent lane: beyond `max_workers`, each runs jobs of
     /// `lane` only and ends when none is left (never sleeps, not in `threads`).
     urgent_threads: usize,
+    /// Threads that left `threads` (or `urgent_threads`) and still run their
+    /// stop hook: see [`Pool::wait_for_threads_to_end`].
+    stopping: usize,
     /// Threads between taking a job and finishing it (a batch counts once).
     running_jobs: usize,
     /// Of those, the workers (not threads of the urgent lane).
@@ -226,6 +229,7 @@ impl Pool {
                     wakeups: 0,
                     blocked: 0,
                     urgent_threads: 0,
+                    stopping: 0,
                     running_jobs: 0,
                     worker_jobs: 0,
                     idle_waiters: 0,
@@ -466,9 +470,26 @@ impl Pool {
         }
         st.urgent_threads -= 1;
         st.free_slots.push(slot);
+        self.stop_thread(st);
+    }
+
+    /// Ends a thread that left the counts: its stop hook, counted in `stopping`.
+    fn stop_thread(&self, mut st: MutexGuard<'_, State>) {
+        st.stopping += 1;
         drop(st);
+        self.run_stop_hook();
+    }
+
+    /// Runs the stop hook, then counts this thread as ended and tells a
+    /// [`Pool::wait_for_threads_to_end`] waiter.
+    fn run_stop_hook(&self) {
         if let Some(stop) = self.inner.hooks.stop {
             stop();
+        }
+        let mut st = lock(&self.inner.state);
+        st.stopping -= 1;
+        if st.idle_waiters > 0 {
+            self.inner.idle.notify_all();
         }
     }
 
@@ -487,10 +508,9 @@ impl Pool {
                     // This thread may have been woken for queued work: pass it on.
                     self.wake_for_unclaimed_work(&mut st);
                 }
+                st.stopping += 1;
                 refuse(st);
-                if let Some(stop) = self.inner.hooks.stop {
-                    stop();
-                }
+                self.run_stop_hook();
                 return;
             }
             if let Some(job) = st.pop() {
@@ -590,6 +610,24 @@ impl Pool {
     pub fn wait_for_running_jobs(&self, deadline: Option<Instant>) -> bool {
         let mut st = lock(&self.inner.state);
         while st.running_jobs > 0 {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return false;
+            }
+            st.idle_waiters += 1;
+            st = wait_once(&self.inner.idle, st, deadline);
+            st.idle_waiters -= 1;
+        }
+        true
+    }
+
+    /// After [`Pool::shutdown`]: waits until every thread of the pool has ended
+    /// (its stop hook done), or until `deadline`; true when all have. At
+    /// interpreter exit, so that each thread's stop hook (its Python thread
+    /// state deleted, what it kept in `threading.local` freed) runs while the
+    /// interpreter still runs Python normally.
+    pub fn wait_for_threads_to_end(&self, deadline: Option<Instant>) -> bool {
+        let mut st = lock(&self.inner.state);
+        while st.threads + st.urgent_threads + st.stopping > 0 {
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return false;
             }
@@ -1190,6 +1228,28 @@ mod tests {
         let stopped = STOPPED.wait_for("every worker's stop hook", |n| n >= spawned);
         assert_eq!(STARTED.load(Ordering::SeqCst), spawned);
         assert_eq!(stopped, spawned);
+    }
+
+    #[test]
+    fn waiting_for_threads_to_end_sees_every_stop_hook_done() {
+        static STOPPED: AtomicUsize = AtomicUsize::new(0);
+        let hooks = ThreadHooks {
+            start: None,
+            stop: Some(|| {
+                STOPPED.fetch_add(1, Ordering::SeqCst);
+            }),
+        };
+        let pool = Pool::with_hooks("t", 3, hooks);
+        let fs: Vec<F> = (0..6).map(|i| submit(&pool, move || i)).collect();
+        fs.iter().for_each(|f| assert!(value(f) < 6));
+        let spawned = pool.stats().spawned_total;
+        pool.shutdown();
+        // Bounded by a deadline only so that a bug fails instead of hanging.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        assert!(pool.wait_for_threads_to_end(Some(deadline)));
+        // Returned only after every hook had run, not merely once the threads left.
+        assert_eq!(STOPPED.load(Ordering::SeqCst), spawned);
+        assert_eq!(pool.stats().threads, 0);
     }
 
     #[test]

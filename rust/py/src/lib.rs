@@ -27,7 +27,7 @@ mod _core {
     #[pymodule_export]
     use super::runtime::{
         _after_fork_child, configure, default_max_workers, exiting, pool_stats, shutdown,
-        wait_for_running_tasks,
+        wait_for_running_tasks, wait_for_threads_to_end,
     };
     #[pymodule_export]
     use super::safetensors::{read_url_prefix, SafetensorsFile, TensorInfo};

@@ -97,6 +97,23 @@ pub fn wait_for_running_tasks(py: Python<'_>, timeout: Option<f64>) -> PyResult<
     .is_some())
 }
 
+/// After [`shutdown`]: waits, GIL released, until every pool thread has ended
+/// (deleted its Python thread state, freeing what it kept in
+/// `threading.local`), or `timeout` seconds; true when all have. Called at
+/// interpreter exit before finalization: a thread that freed them later would
+/// run their destructors (a socket's, a `jax.Array`'s) in a finalizing
+/// interpreter, which aborted the process.
+#[pyfunction]
+#[pyo3(signature = (timeout=None))]
+pub fn wait_for_threads_to_end(py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+    let deadline = deadline_after(timeout)?;
+    let pool = pool();
+    Ok(wait_detached(py, pool, deadline, |slice| {
+        pool.wait_for_threads_to_end(slice).then_some(())
+    })?
+    .is_some())
+}
+
 thread_local! {
     /// The pool's lock, from the `fork()` prepare handler to the parent or child handler.
     static FORK_GUARD: RefCell<Option<ForkGuard<'static>>> = const { RefCell::new(None) };
