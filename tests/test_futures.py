@@ -210,6 +210,19 @@ def test_as_completed_keeps_nothing_it_yielded():
     it.close()
 
 
+def test_as_completed_keeps_nothing_it_yielded_after_a_wait():
+    gates = [Gate(np.full(2, i, F32)) for i in range(3)]
+    it = aa.as_completed({f"k{i}": g.leaf() for i, g in enumerate(gates)}, timeout=WAIT)
+    gates[1].open()  # the first yield comes through the GIL-free wait on the tasks
+    path, value = next(it)
+    assert float(value[0]) == 1.0
+    gone = weakref.ref(value)
+    del path, value
+    gc.collect()
+    assert gone() is None
+    it.close()
+
+
 # -- aa.future(tree) -------------------------------------------------------------
 
 
