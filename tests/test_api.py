@@ -16,6 +16,7 @@ API = {
     "DoneAndNotDone": ("class", "(done, not_done)"),
     "HostBuffer": ("class", "(shape, dtype)"),
     "RemoteFailure": ("exception, a RuntimeError", None),
+    "SafetensorsHeader": ("class", "(specs, metadata)"),
     "WaitCycleError": ("exception, a RuntimeError", None),
     "__version__": ("str", None),
     "as_completed": ("function", "(tree, timeout=None)"),
@@ -35,6 +36,7 @@ API = {
     "make_array_from_callback": ("function", "(shape, sharding, data_callback, *, dtype)"),
     "materialize": ("function", "(tree, timeout=None)"),
     "max_workers": ("function", "()"),
+    "safetensors_header": ("function", "(source, *, timeout=None, retries=3)"),
     "wait": ("function", "(tree, timeout=None, return_when='ALL_COMPLETED')"),
 }
 

@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 from safetensors import _safetensors_rust as st_rust
 
 import async_array as aa
-from async_array import _safetensors
+from async_array import _core, _safetensors
+from async_array._core import _testing
 
 # safetensors dtype name -> numpy dtype (as JAX has them).
 ST_DTYPES = {
@@ -698,3 +699,47 @@ def test_index_and_url_errors_start_with_the_call(tmp_path):
     bad_url = r"^load_safetensors: http://\[::1/model.safetensors: not a valid URL \(Invalid IPv6"
     with pytest.raises(ValueError, match=bad_url):
         aa.load_safetensors("http://[::1/model.safetensors")
+
+
+def test_safetensors_header_reads_specs_and_metadata_without_a_tensor(tmp_path):
+    arrays = {"b": np.ones((2, 3), np.float32), "a": np.arange(4, dtype=np.int64)}
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(arrays, str(path), metadata={"format": "pt", "k": "v"})
+    before = _testing.tensor_bytes_read()
+    header = aa.safetensors_header(path)
+    assert _testing.tensor_bytes_read() == before  # headers only
+    assert isinstance(header, aa.SafetensorsHeader)
+    names = [t.name for t in safetensors_rust_order(path)]
+    assert list(header.specs) == names  # the file's order
+    assert header.specs["b"] == jax.ShapeDtypeStruct((2, 3), np.float32)
+    assert header.specs["a"].dtype == jax.dtypes.canonicalize_dtype(np.int64)
+    assert header.metadata == {"format": "pt", "k": "v"}
+    # What it gives is a like tree as it is.
+    got = aa.materialize(aa.load_safetensors(path, like=header.specs), WAIT)
+    np.testing.assert_array_equal(got["b"], arrays["b"])
+
+
+def safetensors_rust_order(path):
+    """The tensors of ``path`` by offset, as the core reads them."""
+    return _core.SafetensorsFile(str(path)).tensors
+
+
+def test_safetensors_header_follows_an_index_and_refuses_what_the_load_refuses(tmp_path):
+    safetensors.numpy.save_file({"x": np.ones(2, np.float32)}, str(tmp_path / "p1.safetensors"))
+    safetensors.numpy.save_file(
+        {"y": np.ones(3, np.float16)}, str(tmp_path / "p2.safetensors"), metadata={"f": "2"}
+    )
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"x": "p1.safetensors", "y": "p2.safetensors"}}))
+    header = aa.safetensors_header(index)
+    assert header.specs == {
+        "x": jax.ShapeDtypeStruct((2,), np.float32),
+        "y": jax.ShapeDtypeStruct((3,), np.float16),
+    }
+    assert header.metadata == {"f": "2"}
+    bad = tmp_path / "bad.safetensors"
+    write_raw(bad, {"t": entry(shape=(1,), offsets=(4, 8))}, D8)
+    with pytest.raises(ValueError, match=r"^load_safetensors: .*belong to no tensor"):
+        aa.safetensors_header(bad)
+    with pytest.raises(TypeError, match="timeout must be a positive number"):
+        aa.safetensors_header(index, timeout="soon")

@@ -15,7 +15,7 @@ from ._jax_hooks import active as jax_hooks_active
 from ._jit import jit
 from ._map import async_map, async_stream
 from ._runtime import configure, max_workers
-from ._safetensors import load_safetensors
+from ._safetensors import SafetensorsHeader, load_safetensors, safetensors_header
 from ._shards import make_array_from_callback
 from ._waits import (
     ALL_COMPLETED,
@@ -44,6 +44,7 @@ __all__ = [
     "DoneAndNotDone",
     "HostBuffer",
     "RemoteFailure",
+    "SafetensorsHeader",
     "WaitCycleError",
     "__version__",
     "as_completed",
@@ -59,5 +60,6 @@ __all__ = [
     "make_array_from_callback",
     "materialize",
     "max_workers",
+    "safetensors_header",
     "wait",
 ]

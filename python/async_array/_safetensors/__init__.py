@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 import jax
 import numpy as np
@@ -19,7 +19,7 @@ from .._spec import numpy_dtype, timeout_seconds
 from ._plan import Load
 from ._progress import progress_callback
 from ._read import read_job
-from ._sources import NAME, open_all, source_text, tensor_name
+from ._sources import NAME, Header, open_all, source_text, tensor_name
 
 
 @overload
@@ -201,13 +201,7 @@ def load_safetensors(
     if like is None:
         # On the pool, waited for here: Ctrl-C interrupts the wait.
         where = _core.submit(open_all, source, timeout, retries).result()
-        like = {
-            tensor: jax.ShapeDtypeStruct(
-                tuple(header.entries[t].shape),
-                jax.dtypes.canonicalize_dtype(numpy_dtype(header.entries[t].numpy_dtype)),
-            )
-            for tensor, (header, t) in where.items()
-        }
+        like = _specs(where)
     else:
         where = None
     if callable(sharding):
@@ -229,6 +223,76 @@ def load_safetensors(
         tree = specs.treedef.unflatten(leaves)
         # A pytree's dict comes back sorted by key: give the files' order.
         return {tensor: tree[tensor] for tensor in like} if file_order else tree
+
+
+def _specs(where: dict[str, tuple[Header, int]]) -> dict[str, jax.ShapeDtypeStruct]:
+    """Each tensor's shape and dtype (as JAX will hold it: 64-bit types
+    narrowed with x64 off), in the files' order."""
+    return {
+        tensor: jax.ShapeDtypeStruct(
+            tuple(header.entries[t].shape),
+            jax.dtypes.canonicalize_dtype(numpy_dtype(header.entries[t].numpy_dtype)),
+        )
+        for tensor, (header, t) in where.items()
+    }
+
+
+class SafetensorsHeader(NamedTuple):
+    """What ``aa.safetensors_header`` read: ``specs``, each tensor's
+    ``jax.ShapeDtypeStruct`` by name in the files' order; ``metadata``, the
+    header's ``__metadata__`` strings (for an index, every file's, merged in
+    the index's order)."""
+
+    specs: dict[str, jax.ShapeDtypeStruct]
+    metadata: dict[str, str]
+
+
+def safetensors_header(
+    source: str | bytes | os.PathLike[str], *, timeout: float | None = None, retries: int = 3
+) -> SafetensorsHeader:
+    """Reads only the headers of a safetensors source (one read of at most
+    64 KiB a file, the index followed), validated as ``load_safetensors``
+    validates them: the names, shapes and dtypes before any tensor is read,
+    to build a ``like`` tree or a sharding from.
+
+    Args:
+      source, timeout, retries: as ``load_safetensors`` takes them.
+
+    Returns:
+      A ``SafetensorsHeader(specs, metadata)``: ``specs`` maps each tensor's
+      name (in the files' order) to a ``jax.ShapeDtypeStruct`` of its global
+      shape and its dtype as JAX holds it (64-bit ones as 32-bit with
+      ``jax_enable_x64`` off); ``metadata`` is the ``__metadata__`` dict of
+      strings.
+
+    Raises:
+      As ``load_safetensors`` raises at its call: ``FileNotFoundError``,
+      ``OSError``, ``TimeoutError``, ``ValueError`` for a malformed header, and
+      ``TypeError``/``ValueError`` for a bad argument, each starting with
+      ``load_safetensors:`` and naming the source.
+
+    Examples:
+      >>> import os, tempfile
+      >>> import numpy as np, safetensors.numpy
+      >>> import async_array as aa
+      >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+      >>> safetensors.numpy.save_file({"w": np.ones((2, 3), np.float32)}, path, {"k": "v"})
+      >>> header = aa.safetensors_header(path)
+      >>> header.specs["w"].shape, header.metadata
+      ((2, 3), {'k': 'v'})
+    """
+    source = source_text(source)
+    timeout = timeout_seconds(timeout, NAME, positive=True)
+    retries = _retries(retries)
+    # On the pool, waited for here: Ctrl-C interrupts the wait.
+    where = _core.submit(open_all, source, timeout, retries).result()
+    metadata: dict[str, str] = {}
+    seen: set[int] = set()
+    for header, _ in where.values():
+        if id(header) not in seen:
+            seen.add(id(header))
+            metadata.update(header.file.metadata)
+    return SafetensorsHeader(_specs(where), metadata)
 
 
 def _sharding_by_rule(rule: Callable[..., Any], like: Any) -> Any:

@@ -151,6 +151,16 @@ impl SafetensorsFile {
         self.tensor_list().iter().map(TensorInfo::from).collect()
     }
 
+    /// The header's `__metadata__`: (key, value) string pairs, by key (empty
+    /// when the header has none).
+    #[getter]
+    fn metadata(&self) -> Vec<(String, String)> {
+        match &self.file {
+            Backing::Local(f) => f.metadata.clone(),
+            Backing::Remote(f) => f.metadata.clone(),
+        }
+    }
+
     /// Reads tensors or blocks of them into new 64-byte-aligned
     /// `HostBuffer`s, without the GIL. Each item of `wants` is
     /// `(tensor, dtype, bounds)`: `tensor` a position in `tensors`, `dtype`

@@ -4,7 +4,7 @@
 //!
 //! Plain Rust. Every error names the URL and the byte range.
 
-use super::{header_len, parse_header, TensorInfo, FIRST_READ};
+use super::{header_len, parse_header_and_metadata, Metadata, TensorInfo, FIRST_READ};
 use crate::error::Error;
 use crate::sync::{lock, wait_once};
 use std::io::Read;
@@ -644,6 +644,8 @@ pub struct RemoteFile {
     pub len: u64,
     /// Its tensors, in file order.
     pub tensors: Vec<TensorInfo>,
+    /// Its header's `__metadata__`.
+    pub metadata: Metadata,
     /// The file as its header was read: every tensor read must match it.
     pub version: Version,
 }
@@ -670,12 +672,14 @@ impl RemoteFile {
             .map_err(|f| f.at(&format!("{url}: header (bytes [8, {}))", 8 + n)))?;
             rest
         };
-        let tensors = parse_header(url, &json, len).map_err(Error::Format)?;
+        let (tensors, metadata) =
+            parse_header_and_metadata(url, &json, len).map_err(Error::Format)?;
         Ok(RemoteFile {
             url: url.to_owned(),
             http,
             len,
             tensors,
+            metadata,
             version,
         })
     }

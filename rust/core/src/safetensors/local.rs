@@ -2,7 +2,9 @@
 //! tensor bytes read with `preadv` straight into their destination.
 
 use super::http::Failure;
-use super::{count_tensor_bytes, header_len, parse_header, TensorInfo, FIRST_READ};
+use super::{
+    count_tensor_bytes, header_len, parse_header_and_metadata, Metadata, TensorInfo, FIRST_READ,
+};
 use crate::error::Error;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -47,6 +49,8 @@ pub struct LocalFile {
     pub len: u64,
     /// Its tensors, in file order.
     pub tensors: Vec<TensorInfo>,
+    /// Its header's `__metadata__`.
+    pub metadata: Metadata,
     /// The modification time when the header was read: with `len`, what a
     /// later read checks the file against (see [`LocalFile::changed`]).
     pub modified: Option<std::time::SystemTime>,
@@ -112,12 +116,13 @@ impl LocalFile {
             )?;
             rest
         };
-        let tensors = parse_header(path, &json, len).map_err(invalid)?;
+        let (tensors, metadata) = parse_header_and_metadata(path, &json, len).map_err(invalid)?;
         Ok(LocalFile {
             path: path.to_owned(),
             file,
             len,
             tensors,
+            metadata,
             modified,
         })
     }

@@ -286,6 +286,19 @@ impl<'de> serde::Deserialize<'de> for Members {
 /// byte after the last tensor (safetensors refuses such files so that a file
 /// cannot also be another format).
 pub fn parse_header(file: &str, json: &[u8], file_len: u64) -> Result<Vec<TensorInfo>, String> {
+    parse_header_and_metadata(file, json, file_len).map(|(tensors, _)| tensors)
+}
+
+/// The `__metadata__` of a header: its (key, value) pairs, by key.
+pub type Metadata = Vec<(String, String)>;
+
+/// As [`parse_header`], with the header's `__metadata__` (empty when it is
+/// absent or null).
+pub fn parse_header_and_metadata(
+    file: &str,
+    json: &[u8],
+    file_len: u64,
+) -> Result<(Vec<TensorInfo>, Metadata), String> {
     let data_start = 8 + json.len() as u64;
     let hdr = format!("{file}: header (bytes [8, {data_start}))");
     let members = match serde_json::from_slice::<Members>(json) {
@@ -312,6 +325,7 @@ pub fn parse_header(file: &str, json: &[u8], file_len: u64) -> Result<Vec<Tensor
     }
     let data_len = file_len - data_start;
     let mut tensors = Vec::with_capacity(members.len());
+    let mut metadata = Metadata::new();
     for (name, entry) in &members {
         if name == "__metadata__" {
             let strings = match entry {
@@ -319,6 +333,12 @@ pub fn parse_header(file: &str, json: &[u8], file_len: u64) -> Result<Vec<Tensor
                 Value::Object(m) => m.values().all(Value::is_string),
                 _ => false,
             };
+            if let Value::Object(m) = entry {
+                metadata = m
+                    .iter()
+                    .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned())))
+                    .collect();
+            }
             if !strings {
                 return Err(format!(
                     "{hdr}: __metadata__ must be null or an object of strings (it names no \
@@ -450,7 +470,7 @@ pub fn parse_header(file: &str, json: &[u8], file_len: u64) -> Result<Vec<Tensor
         };
         return Err(uncovered(end, file_len, where_));
     }
-    Ok(tensors)
+    Ok((tensors, metadata))
 }
 
 fn json_kind(v: &Value) -> &'static str {
