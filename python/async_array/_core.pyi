@@ -10,6 +10,7 @@ from numpy.typing import DTypeLike
 __all__ = [
     "ALIGNMENT",
     "DLPACK_CPU",
+    "HTTP_GAP",
     "HUGE_PAGES_ENV",
     "Future",
     "HostBuffer",
@@ -43,6 +44,8 @@ ALIGNMENT: int
 DLPACK_CPU: int
 # The environment variable that turns huge pages on (1) or off (0).
 HUGE_PAGES_ENV: str
+# Over HTTP, byte runs at most this far apart share one range request (64 KiB).
+HTTP_GAP: int
 
 @final
 class Future:

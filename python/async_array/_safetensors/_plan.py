@@ -23,10 +23,11 @@ from ._sources import Header
 _LOG = logging.getLogger("async_array")
 # Over HTTP, neighbouring tensors of at most _SMALL bytes each share one range
 # request while the request stays under _GROUP bytes and the bytes skipped
-# between two of them under _GAP: a request costs a round trip.
+# between two of them under _GAP (the core's gap for the runs of one read):
+# a request costs a round trip.
 _SMALL = 1 << 20
 _GROUP = 4 << 20
-_GAP = 64 << 10
+_GAP = _core.HTTP_GAP
 # From a file, tensors of at most _FILE_SMALL bytes share one pool task (a
 # pread each) up to _FILE_GROUP bytes: the per-task cost, not the reads, is
 # what 10,000 small tensors would pay.

@@ -43,6 +43,9 @@ mod _core {
     /// The environment variable that turns huge pages on (`1`) or off (`0`).
     #[pymodule_export]
     const HUGE_PAGES_ENV: &str = async_array_core::buffer::HUGE_PAGES_ENV;
+    /// Over HTTP, byte runs at most this far apart share one range request.
+    #[pymodule_export]
+    const HTTP_GAP: u64 = async_array_core::safetensors::plan::HTTP_GAP;
 
     /// Test hooks: not part of the API.
     #[pymodule]
