@@ -19,7 +19,7 @@ from ._array import AsyncArray
 from ._buffer import aligned_array
 from ._core import HostBuffer
 from ._errors import free_frames, invalid, is_invalid, reworded
-from ._spec import LeafSpecs, Sharding
+from ._spec import LeafSpecs, Sharding, is_extended
 
 # Results numpy must build a new array from: that array is ours alone.
 _BUILT = (list, tuple, bool, int, float, complex)
@@ -153,10 +153,14 @@ def place(value: Any, aval: Any, sharding: Sharding, committed: bool, where: str
       maker may delete or donate it.
     """
     shape, dtype = aval.shape, aval.dtype
-    if type(value) is np.ndarray:
+    if type(value) is np.ndarray and not is_extended(dtype):
         host, ours = value, False
     elif isinstance(value, jax.Array):
         return _place_jax_array(value, aval, sharding, committed, where)
+    elif is_extended(dtype):
+        raise invalid(
+            TypeError, f"{where}: expected a jax.Array of dtype {dtype}, got {describe(value)}"
+        )
     elif type(value) is HostBuffer:
         if value.shape == shape and value.dtype == dtype and _on_one_cpu(sharding):
             value.mark_exported()
@@ -188,12 +192,16 @@ def _place_jax_array(
     if value.shape != aval.shape:
         raise invalid(ValueError, f"{where}: expected shape {aval.shape}, got {value.shape}")
     if value.dtype != aval.dtype:
+        if is_extended(aval.dtype) or is_extended(value.dtype):
+            raise invalid(
+                TypeError, f"{where}: expected a jax.Array of dtype {aval.dtype}, got {value.dtype}"
+            )
         return place(np.asarray(value), aval, sharding, committed, where)
     if not value.sharding.is_equivalent_to(sharding, len(aval.shape)):
         value = jax.device_put(value, sharding)  # a copy, so ours alone
     else:
         value = value.copy()  # its maker may delete or donate its own
-    if len(sharding.device_set) > 1:
+    if len(sharding.device_set) > 1 or is_extended(aval.dtype):
         return value
     return _handoff.put_array(value, aval, sharding, committed)
 

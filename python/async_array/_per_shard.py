@@ -26,7 +26,7 @@ from ._core import HostBuffer
 from ._errors import frames_freed, free_frames, invalid, is_invalid, reworded
 from ._leaves import one_source_a_leaf
 from ._runtime import jax_work
-from ._spec import LeafSpecs, Sharding
+from ._spec import LeafSpecs, Sharding, is_extended
 
 _index_key = _handoff.index_key
 
@@ -110,6 +110,16 @@ def shard_host(value: Any, shape: tuple[int, ...], dtype: np.dtype, where: str) 
       TypeError: a cast across kinds, or not an array at all.
       OverflowError: a value that does not fit ``dtype``.
     """
+    if is_extended(dtype):
+        # A PRNG key shard: a jax.Array of that dtype, placed as it is.
+        if isinstance(value, AsyncArray):
+            value = value.result()
+        if not isinstance(value, jax.Array) or value.dtype != dtype:
+            got = f"dtype {value.dtype}" if isinstance(value, jax.Array) else type(value).__name__
+            raise invalid(TypeError, f"{where}: expected a jax.Array of dtype {dtype}, got {got}")
+        if value.shape != shape:
+            raise invalid(ValueError, f"{where}: expected shape {shape}, got {value.shape}")
+        return value  # type: ignore[return-value]
     if type(value) is HostBuffer and value.shape == shape and value.dtype == dtype:
         host = np.asarray(value)
         value.mark_exported()
@@ -153,8 +163,12 @@ class _LeafShards:
             assert shard is not None  # assembled after its last shard
             shards.append(shard)
         self.shards = []
+        aval = specs.avals[i]
+        if is_extended(aval.dtype):  # jax.Array shards (PRNG keys): JAX's own assembly
+            arrays = [jax.device_put(s, d) for s, d in zip(shards, lay.devices, strict=True)]
+            return jax.make_array_from_single_device_arrays(aval.shape, specs.shardings[i], arrays)
         return _handoff.put_shards(
-            shards, lay.devices, specs.avals[i], specs.shardings[i], specs.committed[i], True
+            shards, lay.devices, aval, specs.shardings[i], specs.committed[i], True
         )
 
 

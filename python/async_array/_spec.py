@@ -180,6 +180,8 @@ def _dtype(dtype: Any, where: str, fun_name: str) -> np.dtype:
         # Python's own types mean JAX's default of that kind (float32 unless
         # x64 is on), without a warning: as jnp.zeros(3, dtype=float).
         return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    if is_extended(dtype):
+        return dtype  # a PRNG key type (key<fry>): JAX's own, taken as it is
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -194,6 +196,16 @@ def _dtype(dtype: Any, where: str, fun_name: str) -> np.dtype:
     if dt.byteorder == ">":
         dt = dt.newbyteorder("=")
     return _canonical(dt, fun_name)
+
+
+def is_extended(dtype: Any) -> bool:
+    """Whether ``dtype`` is one of JAX's extended dtypes (a PRNG key type,
+    ``jax.random.key(0).dtype``): a leaf of it takes only a ``jax.Array`` of
+    that dtype, as ``jax.make_array_from_callback`` does."""
+    try:
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.extended))
+    except TypeError:
+        return False
 
 
 # Bounded: a process that sees many distinct shapes (200k kept 170 MiB) keeps
