@@ -223,6 +223,12 @@ def test_single_worker_waits_on_work_submitted_later(pool_size):
 def test_pool_wakes_idle_worker_after_a_stand_in_retires(pool_size):
     """A worker back from a wait leaves the pool over size; work queued then
     must still reach an idle worker (no lost wake-up)."""
+
+    def quiet():  # no task of an earlier test in this process still holds a worker
+        st = _core.pool_stats()
+        return st["threads"] == st["idle"] and st["queued"] == 0 and st["blocked"] == 0
+
+    poll_until(quiet, "the pool to be quiet after the earlier tests of this process")
     pool_size(2)
     for _ in range(3):
         unblock = _core.Future()
