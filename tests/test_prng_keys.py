@@ -48,3 +48,26 @@ def test_key_data_for_a_key_leaf_is_refused_naming_both_types():
     )
     with pytest.raises(TypeError, match=r"expected a jax.Array of dtype key<fry>, got numpy"):
         leaf.result(timeout=WAIT)
+
+
+def test_aa_jit_takes_key_arrays_and_key_leaves_as_jax_jit_does():
+    def draw(k):
+        return jax.random.uniform(k[0])
+
+    want = float(jax.jit(draw)(KEYS))
+    assert float(aa.jit(draw)(KEYS).result(timeout=WAIT)) == want  # JAX's own key array
+    leaf = aa.async_wrap(lambda: KEYS, like=jax.ShapeDtypeStruct((8,), KEYS.dtype))
+    assert float(aa.jit(draw)(leaf).result(timeout=WAIT)) == want
+
+
+def test_a_trace_error_on_a_key_leaf_is_jaxs_own():
+    leaf = aa.async_wrap(lambda: KEYS[0], like=jax.ShapeDtypeStruct((), KEYS.dtype))
+
+    def add_one(k):
+        return k + 1
+
+    with pytest.raises(Exception) as theirs:
+        jax.jit(add_one)(KEYS[0])
+    with pytest.raises(type(theirs.value)) as ours:
+        aa.jit(add_one)(leaf)
+    assert "key<fry>[]" in "\n".join(getattr(ours.value, "__notes__", []))

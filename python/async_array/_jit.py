@@ -34,7 +34,7 @@ from ._errors import frames_freed, free_frames, noted
 from ._leaves import source_leaves
 from ._runtime import exit_hooks, jax_work
 from ._source import Source, pending
-from ._spec import qualname
+from ._spec import is_extended, qualname
 
 _Sharding = jax.sharding.Sharding
 _keystr = jax.tree_util.keystr
@@ -139,7 +139,8 @@ def _in_shardings_devices(in_shardings: Any) -> frozenset[Any] | None:
 
 def _describe(spec: tuple[Any, ...]) -> str:
     shape, dtype, weak, sharding = spec
-    text = f"{'~' if weak else ''}{np.dtype(dtype).name}{list(shape)}"
+    name = str(dtype) if is_extended(dtype) else np.dtype(dtype).name  # key<fry> has no numpy dtype
+    text = f"{'~' if weak else ''}{name}{list(shape)}"
     return text if sharding is None else f"{text} on {sharding}"
 
 
@@ -530,7 +531,9 @@ class JitFunction:
                 isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
             ):
                 sharding = leaf.sharding if leaf.committed else None
-                specs.append((leaf.shape, leaf.dtype, leaf.weak_type, sharding))
+                # A PRNG key array has no weak_type of its own: never weak.
+                weak = getattr(leaf, "weak_type", False)
+                specs.append((leaf.shape, leaf.dtype, weak, sharding))
             elif isinstance(leaf, jax.core.Tracer):  # inside jit, vmap or grad
                 return self.jitted(*args, **kwargs)
             else:
