@@ -331,7 +331,7 @@ def _broadcast_shardings(sharding: Any, like: Any, n: int, where: str) -> list[A
             if missing:
                 said.append(f"no entry for {_some(missing)} (None places one by default)")
             if extra:
-                said.append(f"entries for {_some(extra)}, which like does not have")
+                said.append(f"entries for {_some(extra)}, which no leaf has")
             if said:
                 raise ValueError(f"{where}: sharding has {'; and '.join(said)}") from None
         raise ValueError(f"{where}: sharding is not a pytree prefix of like: {exc}") from None
