@@ -175,6 +175,17 @@ def async_array_log():
     logger.removeHandler(handler)
 
 
+def sds(shape=(2,), dtype=np.float32):
+    """A ``jax.ShapeDtypeStruct`` (a leaf's declaration), float32 (2,) by default."""
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.fixture
+def roomy_pool(pool_size):
+    """Gated loaders each hold a worker: room for 16 of them, whatever earlier tests left."""
+    pool_size(16)
+
+
 @pytest.fixture
 def pool_size():
     """``aa.configure`` for one test (``pool_size(n)``); the pool's size from

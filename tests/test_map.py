@@ -9,7 +9,7 @@ import traceback
 import jax
 import numpy as np
 import pytest
-from conftest import WAIT, wait_for
+from conftest import WAIT, sds, wait_for
 
 import async_array as aa
 
@@ -17,14 +17,7 @@ F32 = np.float32
 keystr = jax.tree_util.keystr
 
 
-def sds(shape=(2,), dtype=F32):
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-
-@pytest.fixture(autouse=True)
-def roomy_pool(pool_size):
-    """Gated loaders each hold a worker: room for all of them, whatever earlier tests left."""
-    pool_size(16)
+pytestmark = pytest.mark.usefixtures("roomy_pool")
 
 
 # -- async_map ----------------------------------------------------------------

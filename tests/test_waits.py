@@ -6,7 +6,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-from conftest import WAIT, Gate
+from conftest import WAIT, Gate, sds
 
 import async_array as aa
 
@@ -14,14 +14,7 @@ F32 = np.float32
 keystr = jax.tree_util.keystr
 
 
-def sds(shape=(2,), dtype=F32):
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-
-@pytest.fixture(autouse=True)
-def roomy_pool(pool_size):
-    """Gated loaders each hold a worker: room for all of them, whatever earlier tests left."""
-    pool_size(16)
+pytestmark = pytest.mark.usefixtures("roomy_pool")
 
 
 def open_when_done(leaf, gate):

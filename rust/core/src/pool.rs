@@ -608,16 +608,7 @@ impl Pool {
     /// does. With the queue cancelled by [`Pool::shutdown`], this is the wait
     /// at interpreter exit for the jobs already running.
     pub fn wait_for_running_jobs(&self, deadline: Option<Instant>) -> bool {
-        let mut st = lock(&self.inner.state);
-        while st.running_jobs > 0 {
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return false;
-            }
-            st.idle_waiters += 1;
-            st = wait_once(&self.inner.idle, st, deadline);
-            st.idle_waiters -= 1;
-        }
-        true
+        self.wait_until(|st| st.running_jobs == 0, deadline)
     }
 
     /// After [`Pool::shutdown`]: waits until every thread of the pool has ended
@@ -626,8 +617,18 @@ impl Pool {
     /// state deleted, what it kept in `threading.local` freed) runs while the
     /// interpreter still runs Python normally.
     pub fn wait_for_threads_to_end(&self, deadline: Option<Instant>) -> bool {
+        self.wait_until(
+            |st| st.threads + st.urgent_threads + st.stopping == 0,
+            deadline,
+        )
+    }
+
+    /// Waits on the `idle` condition until `done(state)`, or until `deadline`;
+    /// true when done. Whoever makes `done` true notifies `idle` when
+    /// `idle_waiters > 0`.
+    fn wait_until(&self, done: impl Fn(&State) -> bool, deadline: Option<Instant>) -> bool {
         let mut st = lock(&self.inner.state);
-        while st.threads + st.urgent_threads + st.stopping > 0 {
+        while !done(&st) {
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return false;
             }

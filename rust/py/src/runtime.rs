@@ -11,6 +11,7 @@ use pyo3::types::PyDict;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
+use std::time::Instant;
 
 static POOL: OnceLock<Pool> = OnceLock::new();
 
@@ -89,12 +90,19 @@ pub fn shutdown() {
 #[pyfunction]
 #[pyo3(signature = (timeout=None))]
 pub fn wait_for_running_tasks(py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+    wait_on_pool(py, timeout, Pool::wait_for_running_jobs)
+}
+
+/// Runs one of the pool's bounded waits (`wait(pool, slice_deadline)`, true
+/// when its state is reached) detached, in slices, up to `timeout` seconds.
+fn wait_on_pool(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    wait: fn(&Pool, Option<Instant>) -> bool,
+) -> PyResult<bool> {
     let deadline = deadline_after(timeout)?;
     let pool = pool();
-    Ok(wait_detached(py, pool, deadline, |slice| {
-        pool.wait_for_running_jobs(slice).then_some(())
-    })?
-    .is_some())
+    Ok(wait_detached(py, pool, deadline, |slice| wait(pool, slice).then_some(()))?.is_some())
 }
 
 /// After [`shutdown`]: waits, GIL released, until every pool thread has ended
@@ -106,12 +114,7 @@ pub fn wait_for_running_tasks(py: Python<'_>, timeout: Option<f64>) -> PyResult<
 #[pyfunction]
 #[pyo3(signature = (timeout=None))]
 pub fn wait_for_threads_to_end(py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-    let deadline = deadline_after(timeout)?;
-    let pool = pool();
-    Ok(wait_detached(py, pool, deadline, |slice| {
-        pool.wait_for_threads_to_end(slice).then_some(())
-    })?
-    .is_some())
+    wait_on_pool(py, timeout, Pool::wait_for_threads_to_end)
 }
 
 thread_local! {
