@@ -523,7 +523,7 @@ def test_negative_timeouts_count_as_zero():
     y = gate.leaf()
     with pytest.raises(TimeoutError, match=r"not ready after 0.0 s"):
         y.result(timeout=-1)
-    with pytest.raises(TimeoutError, match=r"1 leaf not ready after 0.0 s \(the first: async_wrap"):
+    with pytest.raises(TimeoutError, match=r"1 leaf not ready after 0.0 s \(the first: \[1\] of"):
         aa.materialize([x, y], timeout=-5)
     gate.open()
 

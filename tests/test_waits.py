@@ -43,7 +43,8 @@ def test_materialize_times_out_and_raises_the_first_failure():
     slow = Gate([1.0]).leaf(shape=(1,), dtype=F32)  # never opened: only the timeout ends the wait
     with pytest.raises(
         TimeoutError,
-        match=r"aa.materialize: 1 leaf not ready after 0\.2 s \(the first: async_wrap\(.*\)",
+        match=r"aa.materialize: 1 leaf not ready after 0\.2 s \(the first: \['slow'\] of the "
+        r"tree, async_wrap\(.*\)",
     ):
         aa.materialize({"slow": slow, "fast": np.ones(1)}, timeout=0.2)
     assert not slow.done()

@@ -38,11 +38,22 @@ def failure_of(leaf: AsyncArray) -> BaseException | None:
     return None if failed is None else failed[0]
 
 
-def not_ready(caller: str, leaves: Sequence[AsyncArray], timeout: float | None) -> TimeoutError:
-    """A TimeoutError naming how many of ``leaves`` are pending and the first,
-    and the failures already known (up to three)."""
+def not_ready(
+    caller: str, leaves: Sequence[AsyncArray], timeout: float | None, tree: Any = None
+) -> TimeoutError:
+    """A TimeoutError naming how many of ``leaves`` are pending and the first
+    (by its key path in ``tree`` too, when the wait was given one), and the
+    failures already known (up to three)."""
     waiting = [leaf for leaf in leaves if not leaf.done()]
     first = where_of(waiting[0]) if waiting else "none"
+    if waiting and tree is not None:
+        # Paths only now, on the error path: flattening with them costs µs a leaf.
+        at = next(
+            (p for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if leaf is waiting[0]),
+            None,
+        )
+        if at is not None:
+            first = f"{jax.tree_util.keystr(at)} of the tree, {first}"
     count = f"{len(waiting)} leaf" if len(waiting) == 1 else f"{len(waiting)} leaves"
     text = f"{caller}: {count} not ready after {timeout} s (the first: {first})"
     failures = []
@@ -57,9 +68,13 @@ def not_ready(caller: str, leaves: Sequence[AsyncArray], timeout: float | None) 
 
 
 def resolve_all(
-    leaves: Sequence[Any], timeout: float | None = None, caller: str = "jax.jit dispatch"
+    leaves: Sequence[Any],
+    timeout: float | None = None,
+    caller: str = "jax.jit dispatch",
+    tree: Any = None,
 ) -> list[Any]:
-    """The value of every leaf, after one GIL-free wait for all pending tasks.
+    """The value of every leaf, after one GIL-free wait for all pending tasks
+    (``tree``: what ``leaves`` were flattened from, to name a pending leaf).
 
     ``AsyncArray`` leaves become ``jax.Array``; others pass through.
 
@@ -92,7 +107,7 @@ def resolve_all(
             if failed is not None:
                 arrays[found.groups[failed][0]].result()  # raises its failure
             if not stopped and any(not leaf.done() for leaf in arrays):
-                raise not_ready(caller, arrays, timeout)
+                raise not_ready(caller, arrays, timeout, tree)
         return [leaf.result() if type(leaf) is AsyncArray else leaf for leaf in leaves]
 
 
@@ -124,7 +139,7 @@ def materialize(tree: Any, timeout: float | None = None) -> Any:
       Array([1., 1.], dtype=float32)
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    values = resolve_all(leaves, timeout, "aa.materialize")
+    values = resolve_all(leaves, timeout, "aa.materialize", tree)
     with paused_gc():
         return treedef.unflatten(values)  # type: ignore[attr-defined]
 
