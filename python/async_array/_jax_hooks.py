@@ -278,9 +278,9 @@ _distributed = _find(
 )
 
 
-def _thread_local_settings() -> tuple[Callable[[], list[Any]], Any]:
-    """A function listing every thread-local JAX setting, and the value a
-    setting has where no context sets it. JAX's own list: every
+def _thread_local_settings() -> tuple[Callable[[], list[Any]], Any, Any]:
+    """A function listing every thread-local JAX setting, the value a
+    setting has where no context sets it, and the registry the listing reads. JAX's own list: every
     ``config_ext.Config`` object of ``jax._src.config`` (the mesh contexts
     among them) and every flag in its ``config_states`` registry."""
     config = _module("config")
@@ -298,7 +298,7 @@ def _thread_local_settings() -> tuple[Callable[[], list[Any]], Any]:
         # Flags defined after this import (by other JAX modules) join the registry.
         return list({id(v): v for v in [*own, *registry.values()] if isinstance(v, kind)}.values())
 
-    return settings, unset
+    return settings, unset, registry
 
 
 _settings = _find("config.Config", _thread_local_settings)
@@ -363,8 +363,8 @@ def thread_context() -> JaxContext:
     global _all_settings, _registry_size
     if _settings is None:
         return NO_CONTEXT
-    listing, unset = _settings
-    size = len(_module("config").config_states)
+    listing, unset, registry = _settings
+    size = len(registry)
     if size != _registry_size:
         _all_settings, _registry_size = listing(), size
     values = []

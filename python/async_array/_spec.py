@@ -202,6 +202,8 @@ def is_extended(dtype: Any) -> bool:
     """Whether ``dtype`` is one of JAX's extended dtypes (a PRNG key type,
     ``jax.random.key(0).dtype``): a leaf of it takes only a ``jax.Array`` of
     that dtype, as ``jax.make_array_from_callback`` does."""
+    if isinstance(dtype, np.dtype):  # every numpy dtype: the per-leaf case, at no cost
+        return False
     try:
         return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.extended))
     except TypeError:
