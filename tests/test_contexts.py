@@ -1,5 +1,6 @@
 """A call's thread-local JAX settings (``jax.default_device``,
-``jax.set_mesh``, ``jax.enable_x64``, ``jax.numpy_rank_promotion``...) apply
+``jax.set_mesh``, ``jax.enable_x64``, ``jax.default_matmul_precision``,
+``jax.numpy_rank_promotion``...) apply
 to the work the pool does for it, so every producer gives what plain JAX gives
 under the same settings. They are read through a private hook
 (``config.Config``), which the hooks-off run turns off."""
@@ -93,6 +94,31 @@ def test_a_mesh_in_context_shards_as_jax_jit_does():
         got = aa.jit(resharded)(x).result(timeout=WAIT)
     assert got.sharding.is_equivalent_to(want.sharding, 1)
     np.testing.assert_array_equal(got, want)
+
+
+def test_default_matmul_precision_applies_to_a_trace_after_the_context_ended():
+    # What tracing and lowering read is JAX's thread-local value at that
+    # moment: here on a pool thread, after the `with` block has ended.
+    gate = Gate(np.ones((2, 2), F32))
+    x = gate.leaf()
+    seen = []
+
+    def square():  # a new function each time: no trace is shared through JAX's caches
+        def square(a):
+            seen.append(jax.config.jax_default_matmul_precision)
+            return a @ a
+
+        return square
+
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(square())(np.ones((2, 2), F32))
+        y = aa.jit(square())(x)
+    gate.open()
+    np.testing.assert_array_equal(y.result(timeout=WAIT), want)
+    assert seen == ["highest", "highest"], seen
+    seen.clear()
+    aa.jit(square())(np.ones((2, 2), F32)).result(timeout=WAIT)
+    assert seen == [jax.config.jax_default_matmul_precision] != ["highest"], seen
 
 
 @pytest.mark.parametrize(
