@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from conftest import WAIT, Gate
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
 import async_array as aa
@@ -96,29 +98,38 @@ def test_a_mesh_in_context_shards_as_jax_jit_does():
     np.testing.assert_array_equal(got, want)
 
 
-def test_default_matmul_precision_applies_to_a_trace_after_the_context_ended():
-    # What tracing and lowering read is JAX's thread-local value at that
-    # moment: here on a pool thread, after the `with` block has ended.
+# A primitive whose lowering records the matmul precision in force: lowering,
+# where JAX applies that setting, runs on the pool thread that compiles.
+_probe = Primitive("async_array_precision_probe")
+_probe.def_abstract_eval(lambda aval: aval)
+_lowered_under = []
+
+
+def _lower_probe(ctx, operand):
+    _lowered_under.append(jax.config.jax_default_matmul_precision)
+    return [operand]
+
+
+mlir.register_lowering(_probe, _lower_probe)
+
+
+def test_default_matmul_precision_applies_to_a_compile_after_the_context_ended():
     gate = Gate(np.ones((2, 2), F32))
     x = gate.leaf()
-    seen = []
 
-    def square():  # a new function each time: no trace is shared through JAX's caches
-        def square(a):
-            seen.append(jax.config.jax_default_matmul_precision)
-            return a @ a
+    def square():  # a new function each time: no compile is shared through JAX's caches
+        return lambda a: _probe.bind(a @ a)
 
-        return square
-
+    _lowered_under.clear()
     with jax.default_matmul_precision("highest"):
         want = jax.jit(square())(np.ones((2, 2), F32))
         y = aa.jit(square())(x)
-    gate.open()
+    gate.open()  # the compile runs now, on the pool, after the with block
     np.testing.assert_array_equal(y.result(timeout=WAIT), want)
-    assert seen == ["highest", "highest"], seen
-    seen.clear()
+    assert _lowered_under == ["highest", "highest"]
+    _lowered_under.clear()
     aa.jit(square())(np.ones((2, 2), F32)).result(timeout=WAIT)
-    assert seen == [jax.config.jax_default_matmul_precision] != ["highest"], seen
+    assert _lowered_under == [jax.config.jax_default_matmul_precision] != ["highest"]
 
 
 @pytest.mark.parametrize(
