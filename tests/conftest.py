@@ -65,14 +65,16 @@ def poll_until(predicate: Callable[[], bool], what: str, tries: int = 3000) -> N
 # -- scripts in a fresh interpreter ----------------------------------------------------
 
 
-def spawn(code: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn(code: str, env: dict[str, str] | None = None, *, stdin: bool = False) -> subprocess.Popen:
     """Starts ``code`` in a fresh interpreter, in its own process group (so that
-    a hung forked grandchild is killed with it)."""
+    a hung forked grandchild is killed with it); with ``stdin``, a pipe the
+    test writes to (a line there can tell the script when to go on)."""
     full_env = dict(os.environ)
     full_env.pop(aa._runtime.ENV_MAX_WORKERS, None)
     full_env.update(env or {})
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
+        stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

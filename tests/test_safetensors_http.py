@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import WAIT, Gate, run_script, wait_for
+from conftest import WAIT, Gate, kill_group, run_script, spawn, wait_for
 
 import async_array as aa
 from async_array import _core
@@ -39,7 +39,8 @@ class FaultServer:
     one byte at a time, waiting on an event the test never sets for up to
     ``slow`` seconds between bytes; ``ignore_range`` answers 200 with the whole
     file; ``gate`` an event each request waits for (``gated`` is set when one
-    does; the file is read after the wait, so a test can replace it meanwhile);
+    does; the file is read after the wait, so a test can replace it meanwhile;
+    ``gates_expired`` counts the requests that waited 30 s and went on);
     ``etag`` sends a strong ETag of the file's bytes with every answer, and
     ``if_match`` answers 412 to an ``If-Match`` naming another ETag;
     ``retry_after`` a ``Retry-After`` value sent with the ``status_first``
@@ -66,6 +67,7 @@ class FaultServer:
         self.whole_as_200 = False
         self.gate: threading.Event | None = None
         self.gated = threading.Event()
+        self.gates_expired = 0
         self.requests: list[tuple[str, int, int]] = []
         self.client_ports: set[int] = set()
         self.lock = threading.Lock()
@@ -118,7 +120,9 @@ class FaultServer:
             first = self.status_first.pop(0) if faulty and self.status_first else None
         if faulty and self.gate is not None:
             self.gated.set()
-            self.gate.wait(30)
+            if not self.gate.wait(30):
+                with self.lock:
+                    self.gates_expired += 1
             data = path.read_bytes()
             last = min(int(match.group(2)), len(data) - 1)
         etag = f'"{hashlib.sha256(data).hexdigest()[:16]}"' if self.etag else None
@@ -633,6 +637,29 @@ def test_exit_during_a_download_abandons_it_at_once(server, weights):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "exiting\n"
     assert "exit waits" not in proc.stderr, proc.stderr
+
+
+def test_exit_during_a_read_the_server_never_answers_abandons_it_at_once(server, weights):
+    # The tensor requests reach the server, which answers none of them: each
+    # read waits in recv, where no chunk or retry check can see the exit.
+    server.gate = threading.Event()  # never set: a gated request waits 30 s
+    code = f"""
+        import sys
+        import async_array as aa
+        tree = aa.load_safetensors({server.url("model.safetensors")!r})
+        sys.stdin.readline()  # the test says when a read waits at the server
+        print("exiting", flush=True)
+    """
+    proc = spawn(code, {"ASYNC_ARRAY_EXIT_GRACE": "3600"}, stdin=True)
+    try:
+        assert server.gated.wait(WAIT), "no tensor request reached the server"
+        out, err = proc.communicate("go\n", timeout=WAIT + 30)
+    finally:
+        kill_group(proc)
+    # Gone before the server's 30 s wait ended: the exit did not wait for it.
+    assert server.gates_expired == 0, err
+    assert proc.returncode == 0, err
+    assert out == "exiting\n"
 
 
 def test_cancelled_leaves_are_not_downloaded(server, weights, pool_size):

@@ -25,10 +25,19 @@ pub const POOL_CONNECTIONS: usize = 8;
 /// Python (its grace is for tasks inside Python or JAX).
 static ABANDONED: AtomicBool = AtomicBool::new(false);
 
-/// Makes every read of this process fail at its next chunk, retry or request
-/// (interpreter exit). There is no undoing it.
+/// Makes every read of this process fail at once (interpreter exit): a read
+/// blocked in `recv` on a server that sends nothing returns (the agents close
+/// their connections), and any other at its next chunk, retry or request.
+/// There is no undoing it.
 pub fn abandon_reads() {
     ABANDONED.store(true, Ordering::Release);
+    let pid = std::process::id();
+    for (made_in, agent) in lock(&AGENTS_MADE).drain(..) {
+        // A child of fork() shuts down none of its parent's connections.
+        if made_in == pid {
+            agent.shutdown();
+        }
+    }
 }
 
 fn abandoned() -> bool {
@@ -215,8 +224,14 @@ fn shared_agent() -> Result<ureq::Agent, Error> {
         .build()
         .into();
     *held = Some((certs, pid, agent.clone()));
+    lock(&AGENTS_MADE).push((pid, agent.clone()));
     Ok(agent)
 }
+
+/// Every agent [`shared_agent`] made in this process (one unless
+/// `SSL_CERT_FILE` changed), with the pid that made it: [`abandon_reads`]
+/// shuts down their connections, in use or idle.
+static AGENTS_MADE: Mutex<Vec<(u32, ureq::Agent)>> = Mutex::new(Vec::new());
 
 impl Http {
     /// A client with a request `timeout` and `retries`; fails when TLS cannot be set up.
