@@ -784,3 +784,92 @@ def test_huge_pages_follow_the_environment_when_it_says(setting):
     buf = np.asarray(aa.empty((8 << 20,), np.uint8))
     buf[:] = 7
     assert buf.ctypes.data % _core.ALIGNMENT == 0 and int(buf[-1]) == 7
+
+
+# -- the one-byte types of ml_dtypes -----------------------------------------------------
+
+# Every float8 kind JAX has: DLPack 1.1 codes them, and JAX takes them in place.
+FLOAT8 = [
+    n
+    for n in (
+        "float8_e3m4",
+        "float8_e4m3",
+        "float8_e4m3b11fnuz",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if hasattr(jnp, n)
+]
+# XLA packs these two or more to a byte; numpy (ml_dtypes) keeps one a byte.
+PACKED = [n for n in ("int2", "uint2", "int4", "uint4", "float4_e2m1fn") if hasattr(jnp, n)]
+
+
+def is_integer(dtype: np.dtype) -> bool:
+    return dtype.name.lstrip("u").startswith("int")
+
+
+def small_values(dtype: np.dtype, n: int) -> np.ndarray:
+    """``n`` values every one-byte type holds exactly (e8m0 has only powers of two)."""
+    base = np.array([1, 0, 1, 0] if is_integer(dtype) else [0.5, 1, 2, 4])
+    return np.resize(base, n).astype(dtype)
+
+
+@pytest.mark.parametrize("name", FLOAT8)
+def test_a_float8_buffer_reaches_jax_without_a_copy(name, live):
+    dt = np.dtype(getattr(jnp, name))
+    buf = aa.empty((4, 3), dt)
+    assert (buf.nbytes, buf.itemsize, np.asarray(buf).dtype) == (12, 1, dt)
+    want = small_values(dt, 12).reshape(4, 3)
+    np.asarray(buf)[...] = want
+    x = aa.async_wrap(lambda: buf, like=jax.ShapeDtypeStruct((4, 3), dt)).result(timeout=WAIT)
+    assert x.unsafe_buffer_pointer() == buf.address, "JAX copied the buffer"
+    assert jax.typeof(x) == jax.typeof(jnp.asarray(want))
+    assert np.asarray(x).tobytes() == want.tobytes()
+    assert buf.exported
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_a_packed_type_is_held_by_its_bytes_and_copied_once_into_jax(name, live):
+    dt = np.dtype(getattr(jnp, name))
+    buf = aa.empty((5,), dt)
+    assert (buf.nbytes, buf.itemsize, np.asarray(buf).dtype) == (5, 1, dt)
+    want = small_values(dt, 5)
+    np.asarray(buf)[...] = want
+    with pytest.raises(BufferError, match=f"dtype {name} has no DLPack type that JAX takes"):
+        buf.__dlpack__(max_version=(1, 0))
+    assert not buf.exported, "a refused export hands nothing over"
+    x = aa.async_wrap(lambda: buf, like=jax.ShapeDtypeStruct((5,), dt)).result(timeout=WAIT)
+    assert jax.typeof(x) == jax.typeof(jnp.asarray(want))
+    np.testing.assert_array_equal(np.asarray(x), want)
+    np.asarray(buf)[...] = small_values(dt, 6)[1:]  # ours again: JAX has its own copy
+    np.testing.assert_array_equal(np.asarray(x), want)
+
+
+@pytest.mark.parametrize("name", [*FLOAT8, *PACKED, "bfloat16"])
+def test_a_narrow_leaf_takes_a_wide_result_as_jnp_asarray_casts_it(name):
+    dt = np.dtype(getattr(jnp, name))
+    src = small_values(dt, 4).astype(np.int32 if is_integer(dt) else np.float32)
+    want = jnp.asarray(src, dtype=dt)
+    got = aa.async_wrap(lambda: src, shape=(4,), dtype=dt).result(timeout=WAIT)
+    assert jax.typeof(got) == jax.typeof(want)
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("int4", np.int32(8), r"int32 values in \[8, 8\], outside int4's range \[-8, 7\]"),
+        ("uint4", np.int32(-1), r"outside uint4's range \[0, 15\]"),
+        ("float8_e4m3fn", np.float32(1e6), r"beyond float8_e4m3fn's range \(it would become nan\)"),
+        ("float8_e5m2", np.float32(1e6), r"beyond float8_e5m2's range \(it would become inf\)"),
+    ],
+)
+def test_a_narrow_leaf_refuses_a_value_it_cannot_hold(name, value, message):
+    # jnp.asarray would wrap 8 to -8 and turn 1e6 into nan: async_array refuses.
+    dt = np.dtype(getattr(jnp, name))
+    leaf = aa.async_wrap(lambda: np.full(2, value), shape=(2,), dtype=dt)
+    with pytest.raises(OverflowError, match=message):
+        leaf.result(timeout=WAIT)

@@ -292,3 +292,28 @@ def test_a_spanning_call_is_confirmed_once_after_its_last_leaf(monkeypatch):
     assert values[:3] == [0.0, 1.0, 2.0]  # agreed: their own values
     assert type(values[3]).__name__ == "RemoteFailure"
     assert "process 1: async_map(f) [3]: KeyError: 'lost'" in str(values[3])
+
+
+ONE_BYTE_TYPES = [
+    n
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "int4", "uint4", "float4_e2m1fn")
+    if hasattr(jax.numpy, n)
+]
+
+
+@pytest.mark.parametrize("name", ONE_BYTE_TYPES)
+@pytest.mark.parametrize("cast", [False, True], ids=["own_dtype", "cast"])
+def test_make_array_from_callback_builds_one_byte_types_as_jax_does(name, cast):
+    dt = np.dtype(getattr(jax.numpy, name))
+    integer = dt.name.lstrip("u").startswith("int")
+    values = np.resize(np.array([1, 0, 1, 0] if integer else [0.5, 1, 2, 4]), (8, 4))
+    wide = values.astype(np.int32 if integer else F32)
+    sharding = NamedSharding(_mesh(), SPECS["sharded"])
+    # cast: the callback returns int32/float32 and the leaf casts (same_kind) as jnp.asarray.
+    x = aa.make_array_from_callback(
+        (8, 4), sharding, lambda i: wide[i] if cast else wide[i].astype(dt), dtype=dt
+    )
+    reference = jax.make_array_from_callback((8, 4), sharding, lambda i: wide[i].astype(dt))
+    got = x.result(timeout=WAIT)
+    assert jax.typeof(got) == jax.typeof(reference) and got.sharding == reference.sharding
+    assert np.asarray(got).tobytes() == np.asarray(reference).tobytes()

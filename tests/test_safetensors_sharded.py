@@ -182,3 +182,17 @@ if __name__ == "__main__":
     counts = check(Path(sys.argv[1]))
     counts["devices"] = len(jax.devices())
     print(json.dumps(counts), flush=True)
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"])
+def test_float8_tensors_load_sharded_bit_exact(tmp_path, name):
+    dt = np.dtype(getattr(jax.numpy, name))
+    raw = np.random.default_rng(3).integers(0, 256, (8, 6), dtype=np.uint8)
+    path = tmp_path / "f8.safetensors"
+    safetensors.numpy.save_file({"w": raw.view(dt)}, str(path))
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
+    for spec in (P("a", "b"), P(None, "b"), P()):
+        sharding = NamedSharding(mesh, spec)
+        got = aa.load_safetensors(path, sharding=sharding)["w"].result(timeout=30)
+        assert got.dtype == dt and got.sharding == sharding, spec
+        assert np.asarray(got).view(np.uint8).tobytes() == raw.tobytes(), spec

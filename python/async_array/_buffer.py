@@ -23,7 +23,11 @@ def empty(shape: int | tuple[int, ...], dtype: Any) -> HostBuffer:
     Args:
       shape: dimensions, in elements.
       dtype: bool, int8-int64, uint8-uint64, float16, bfloat16, float32,
-        float64, complex64 or complex128 (native byte order).
+        float64, complex64 or complex128 (native byte order); or one of
+        ml_dtypes' one-byte types, held by their bytes as numpy holds them:
+        every float8 kind (handed to JAX without a copy, as DLPack 1.1 codes
+        them), and int2, uint2, int4, uint4, float4_e2m1fn, float6_e2m3fn,
+        float6_e3m2fn (XLA packs these, so JAX takes them with one copy).
 
     Returns:
       A ``HostBuffer`` of ``prod(shape) * dtype.itemsize`` bytes. Its contents

@@ -12,6 +12,7 @@ import functools
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from . import _core, _handoff
@@ -19,15 +20,15 @@ from ._array import AsyncArray
 from ._buffer import aligned_array
 from ._core import HostBuffer
 from ._errors import free_frames, invalid, is_invalid, reworded
-from ._spec import LeafSpecs, Sharding, is_extended
+from ._spec import PACKED_IN_XLA, LeafSpecs, Sharding, is_extended, numeric_kind
 
 # Results numpy must build a new array from: that array is ours alone.
 _BUILT = (list, tuple, bool, int, float, complex)
 
 
 def check_cast(src: np.dtype, dst: np.dtype, where: str) -> None:
-    if src == dst or (src.kind in "biu" and dst.kind in "iu"):
-        return  # integers: any width or sign, range-checked by copy_checked
+    if src == dst or (numeric_kind(src) in "biu" and numeric_kind(dst) in "iu"):
+        return  # integers: any width or sign (int4 too), range-checked by copy_checked
     if not np.can_cast(src, dst, casting="same_kind"):
         raise invalid(
             TypeError,
@@ -42,8 +43,8 @@ def copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
     pass); raises OverflowError rather than wrap an integer or turn a finite
     float into inf."""
     src, to = value.dtype, dst.dtype
-    if to.kind in "iu" and src.kind in "iu" and value.size:
-        info = np.iinfo(to)
+    if numeric_kind(to) in "iu" and numeric_kind(src) in "iu" and value.size:
+        info = ml_dtypes.iinfo(to)  # numpy's, and int4's, uint2's...
         lo, hi = int(value.min()), int(value.max())
         if lo < info.min or hi > info.max:
             raise invalid(
@@ -53,15 +54,16 @@ def copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
             )
     with np.errstate(all="ignore"):
         np.copyto(dst, value, casting="unsafe")
-    if src != to and to.kind not in "biu" and value.size:
+    if src != to and numeric_kind(to) not in "biu" and value.size:
         with np.errstate(all="ignore"):
-            grew = np.isinf(dst) & np.isfinite(value)
+            # A type without inf (float8_e4m3fn) turns what it cannot hold into nan.
+            grew = ~np.isfinite(dst) & np.isfinite(value)
         if grew.any():
             bad = value[grew].flat[0]
             raise invalid(
                 OverflowError,
                 f"{where}: expected dtype {to}, got {src} value {bad} which is finite "
-                f"but beyond {to}'s range (it would become inf)",
+                f"but beyond {to}'s range (it would become {dst[grew].flat[0]})",
             )
 
 
@@ -162,7 +164,12 @@ def place(value: Any, aval: Any, sharding: Sharding, committed: bool, where: str
             TypeError, f"{where}: expected a jax.Array of dtype {dtype}, got {describe(value)}"
         )
     elif type(value) is HostBuffer:
-        if value.shape == shape and value.dtype == dtype and _on_one_cpu(sharding):
+        if (
+            value.shape == shape
+            and value.dtype == dtype
+            and dtype not in PACKED_IN_XLA
+            and _on_one_cpu(sharding)
+        ):
             value.mark_exported()
             return _handoff.put_dlpack(value, aval, sharding, committed)
         host, ours = np.asarray(value), False

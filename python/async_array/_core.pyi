@@ -9,6 +9,7 @@ from numpy.typing import DTypeLike
 
 __all__ = [
     "ALIGNMENT",
+    "BYTE_TYPES_WITHOUT_DLPACK",
     "DLPACK_CPU",
     "HTTP_GAP",
     "HUGE_PAGES_ENV",
@@ -40,6 +41,9 @@ __all__ = [
 __version__: str
 # Alignment in bytes of every HostBuffer (64: XLA's CPU client aliases such memory).
 ALIGNMENT: int
+# numpy names of the one-byte ml_dtypes types a HostBuffer holds by their bytes
+# and hands to JAX with one copy: DLPack has no type for them that JAX takes.
+BYTE_TYPES_WITHOUT_DLPACK: frozenset[str]
 # DLPack's device type of host memory (kDLCPU, 1).
 DLPACK_CPU: int
 # The environment variable that turns huge pages on (1) or off (0).

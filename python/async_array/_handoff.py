@@ -19,7 +19,7 @@ import numpy as np
 from . import _core
 from . import _jax_hooks as hooks
 from ._buffer import aligned_array
-from ._spec import X64_DTYPES
+from ._spec import PACKED_IN_XLA, X64_DTYPES
 
 # Devices of shardings that give every device the whole array, by id; the
 # sharding is kept too, so its id is never reused while cached.
@@ -63,8 +63,10 @@ def put_host(host: np.ndarray, aval: Any, sharding: Any, committed: bool, alias:
 
     ``alias=True`` lets XLA's CPU client use the memory in place (it does when
     the array is 64-byte aligned and C-contiguous): only for memory nothing else
-    will write. Otherwise JAX copies it during the call, once.
+    will write. Otherwise JAX copies it during the call, once; always for the
+    types XLA packs (int4, float4...), whose numpy layout is not XLA's.
     """
+    alias = alias and aval.dtype not in PACKED_IN_XLA
     if hooks.xla_put is None:
         return _public_put(host if alias else np.array(host, copy=True), aval, sharding, committed)
     devices, indices = _placement(sharding, aval.shape)
@@ -110,8 +112,10 @@ def put_shards(
     several devices (a partially replicated sharding).
 
     ``alias=True``: the shards are memory nothing else will write (XLA's CPU
-    client may use it in place); otherwise each is copied during the call.
+    client may use it in place); otherwise each is copied during the call, as
+    always for the types XLA packs.
     """
+    alias = alias and aval.dtype not in PACKED_IN_XLA
     if hooks.xla_put is None:
         arrays = [
             jax.device_put(shard if alias else np.array(shard, copy=True), d, may_alias=True)

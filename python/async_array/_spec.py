@@ -20,7 +20,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from . import _jax_hooks
+from . import _core, _jax_hooks
 from ._errors import reworded
 
 Sharding = jax.sharding.Sharding
@@ -124,6 +124,24 @@ def numpy_dtype(name: str) -> np.dtype:
       TypeError: not a dtype name.
     """
     return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+
+
+#: The one-byte ml_dtypes types JAX takes only by a copy (XLA packs them, two
+#: or more to a byte): a ``HostBuffer`` holds them, but neither DLPack nor an
+#: aliased numpy array carries them to JAX.
+PACKED_IN_XLA = frozenset(map(numpy_dtype, _core.BYTE_TYPES_WITHOUT_DLPACK))
+
+
+def numeric_kind(dtype: np.dtype) -> str:
+    """numpy's kind letter (``b``, ``i``, ``u``, ``f``, ``c``), also for the
+    ml_dtypes types, which numpy calls ``V`` (most) or ``f``: ``f`` for
+    bfloat16 and the float8/float6/float4 kinds, ``i`` for int2 and int4,
+    ``u`` for uint2 and uint4."""
+    if dtype.kind != "V":
+        return dtype.kind
+    if dtype.name.startswith("int"):
+        return "i"
+    return "u" if dtype.name.startswith("uint") else "f"
 
 
 def canonical_dtype(dtype: np.dtype, fun_name: str) -> np.dtype:

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Any
 
-import numpy as np
 from numpy.typing import DTypeLike
 
 from .. import _handoff
@@ -17,9 +15,6 @@ from .._per_shard import index_text, shard_host
 from .._runtime import jax_work
 from .._spec import LeafSpecs, numpy_dtype
 from ._plan import RELEASED, Job, Load, Read
-
-# No DLPack code for these: read as bytes, then one copy viewed as float8.
-FLOAT8 = {"float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz"}
 
 
 def read_job(load: Load, job: Job, linked: threading.Event) -> None:
@@ -39,7 +34,7 @@ def read_job(load: Load, job: Job, linked: threading.Event) -> None:
         reads = [r for r in reads if not futures[r.leaf].done()]
         wants: list[tuple[int, DTypeLike, list[tuple[int, int]] | None]] = []
         for r in reads:
-            dtype = buffer_dtype(r.np_name)
+            dtype = numpy_dtype(r.np_name)
             if r.bounds is None:
                 wants.append((r.t, dtype, None))
             else:
@@ -82,8 +77,6 @@ def to_jax(specs: LeafSpecs, r: Read, buffers: list[Any]) -> Any:
     """A leaf's ``Source`` entry (its ``jax.Array``, or the exception its
     conversion failed with) from its read buffers."""
     i = r.leaf
-    if r.np_name in FLOAT8:  # no DLPack code: one copy, viewed as float8
-        buffers = [np.asarray(b).view(numpy_dtype(r.np_name)) for b in buffers]
     if r.layout is None:
         return convert_one(specs, i, buffers[0])
     lay = r.layout
@@ -103,8 +96,3 @@ def to_jax(specs: LeafSpecs, r: Read, buffers: list[Any]) -> Any:
         )
     except Exception as exc:
         return exc
-
-
-@functools.cache
-def buffer_dtype(np_name: str) -> np.dtype:
-    return np.dtype(np.uint8) if np_name in FLOAT8 else numpy_dtype(np_name)

@@ -28,6 +28,37 @@ pub mod code {
     pub const COMPLEX: u8 = 5;
     /// `kDLBool`: booleans.
     pub const BOOL: u8 = 6;
+    /// `kDLFloat8_e3m4` (DLPack 1.1), and the float8 kinds after it, one byte each.
+    pub const FLOAT8_E3M4: u8 = 7;
+    /// `kDLFloat8_e4m3`.
+    pub const FLOAT8_E4M3: u8 = 8;
+    /// `kDLFloat8_e4m3b11fnuz`.
+    pub const FLOAT8_E4M3B11FNUZ: u8 = 9;
+    /// `kDLFloat8_e4m3fn`.
+    pub const FLOAT8_E4M3FN: u8 = 10;
+    /// `kDLFloat8_e4m3fnuz`.
+    pub const FLOAT8_E4M3FNUZ: u8 = 11;
+    /// `kDLFloat8_e5m2`.
+    pub const FLOAT8_E5M2: u8 = 12;
+    /// `kDLFloat8_e5m2fnuz`.
+    pub const FLOAT8_E5M2FNUZ: u8 = 13;
+    /// `kDLFloat8_e8m0fnu`.
+    pub const FLOAT8_E8M0FNU: u8 = 14;
+
+    /// The DLPack code of a float8 kind by its numpy (ml_dtypes) name.
+    pub fn float8(name: &str) -> Option<u8> {
+        Some(match name {
+            "float8_e3m4" => FLOAT8_E3M4,
+            "float8_e4m3" => FLOAT8_E4M3,
+            "float8_e4m3b11fnuz" => FLOAT8_E4M3B11FNUZ,
+            "float8_e4m3fn" => FLOAT8_E4M3FN,
+            "float8_e4m3fnuz" => FLOAT8_E4M3FNUZ,
+            "float8_e5m2" => FLOAT8_E5M2,
+            "float8_e5m2fnuz" => FLOAT8_E5M2FNUZ,
+            "float8_e8m0fnu" => FLOAT8_E8M0FNU,
+            _ => return None,
+        })
+    }
 }
 
 #[repr(C)]

@@ -21,23 +21,50 @@ static UNIT_STRIDE: [isize; 1] = [1];
 
 static NUMPY_DTYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
+/// Types of one byte an element that ml_dtypes gives numpy and JAX builds
+/// but DLPack cannot carry to JAX (its `int4`, `float4` are packed, two to a
+/// byte, in XLA): held by their bytes, handed over with one copy.
+pub const BYTE_TYPES_WITHOUT_DLPACK: [&str; 7] = [
+    "int2",
+    "uint2",
+    "int4",
+    "uint4",
+    "float4_e2m1fn",
+    "float6_e2m3fn",
+    "float6_e3m2fn",
+];
+
 /// A supported element type in DLPack and PEP 3118 terms.
 struct ElementType {
     itemsize: usize,
-    code: u8,
-    /// None for bfloat16, which has no PEP 3118 code (numpy views it through
-    /// `__array__` instead).
+    /// None for the types DLPack cannot carry to JAX ([`BYTE_TYPES_WITHOUT_DLPACK`]).
+    code: Option<u8>,
+    /// None for bfloat16 and the ml_dtypes kinds, which have no PEP 3118
+    /// code (numpy views them through `__array__` instead).
     format: Option<&'static CStr>,
 }
 
 impl ElementType {
     /// The element type of a numpy dtype: bool, int8-64, uint8-64, float16,
-    /// bfloat16, float32, float64, complex64 or complex128, in native byte order.
+    /// bfloat16, float32, float64, complex64 or complex128, in native byte
+    /// order, or an ml_dtypes kind of one byte (every float8, float6, float4,
+    /// int4, uint4, int2 and uint2).
     fn of(dtype: &Bound<'_, PyAny>) -> PyResult<Self> {
         let kind: char = dtype.getattr("kind")?.extract()?;
         let itemsize: usize = dtype.getattr("itemsize")?.extract()?;
         let native: bool = dtype.getattr("isnative")?.extract()?;
-        let is_bfloat16 = dtype.getattr("name")?.extract::<String>()? == "bfloat16";
+        let name = dtype.getattr("name")?.extract::<String>()?;
+        if itemsize == 1 && matches!(kind, 'V' | 'f') {
+            // ml_dtypes' kinds (numpy says 'f' for some, 'V' for others).
+            let code = code::float8(&name);
+            if code.is_some() || BYTE_TYPES_WITHOUT_DLPACK.contains(&name.as_str()) {
+                return Ok(ElementType {
+                    itemsize,
+                    code,
+                    format: None,
+                });
+            }
+        }
         // numpy's own formats: 64-bit integers are 'l' where C long has 64 bits.
         let long64 = std::mem::size_of::<std::ffi::c_long>() == 8;
         let (code, format) = match (kind, itemsize) {
@@ -55,7 +82,7 @@ impl ElementType {
             ('f', 8) => (code::FLOAT, Some(c"d")),
             ('c', 8) => (code::COMPLEX, Some(c"Zf")),
             ('c', 16) => (code::COMPLEX, Some(c"Zd")),
-            ('V', 2) if is_bfloat16 => (code::BFLOAT, None),
+            ('V', 2) if name == "bfloat16" => (code::BFLOAT, None),
             _ => return Err(Self::unsupported(dtype).into()),
         };
         if !native {
@@ -63,7 +90,7 @@ impl ElementType {
         }
         Ok(ElementType {
             itemsize,
-            code,
+            code: Some(code),
             format,
         })
     }
@@ -75,7 +102,10 @@ impl ElementType {
         Error(CoreError::WrongType(format!(
             "dtype {name} is not supported: a HostBuffer holds bool, int8-int64, \
              uint8-uint64, float16, bfloat16, float32, float64, complex64 or \
-             complex128, in native byte order"
+             complex128, in native byte order, and by their bytes {}, {} and \
+             the float8 kinds of ml_dtypes",
+            BYTE_TYPES_WITHOUT_DLPACK[..BYTE_TYPES_WITHOUT_DLPACK.len() - 1].join(", "),
+            BYTE_TYPES_WITHOUT_DLPACK[BYTE_TYPES_WITHOUT_DLPACK.len() - 1],
         )))
     }
 }
@@ -89,7 +119,8 @@ pub struct HostBuffer {
     itemsize: usize,
     /// PEP 3118 format, when the dtype has one (bfloat16 has none).
     format: Option<&'static CStr>,
-    dl_dtype: DLDataType,
+    /// None for the types DLPack cannot carry to JAX: `__dlpack__` refuses them.
+    dl_dtype: Option<DLDataType>,
     /// Element-typed shape and strides, in bytes, for typed buffer views.
     view_shape: Vec<isize>,
     view_strides: Vec<isize>,
@@ -128,6 +159,22 @@ impl HostBuffer {
         Ok(Self::with_memory(memory, shape, dtype.unbind(), element))
     }
 
+    /// The DLPack type of the elements; a `BufferError` for the types that
+    /// have none JAX takes.
+    fn dlpack_type(&self, py: Python<'_>) -> Result<DLDataType, Error> {
+        self.dl_dtype.ok_or_else(|| {
+            let name = self
+                .dtype
+                .bind(py)
+                .str()
+                .map_or_else(|_| "?".to_owned(), |s| s.to_string());
+            Error(CoreError::Buffer(format!(
+                "HostBuffer.__dlpack__: dtype {name} has no DLPack type that JAX takes \
+                 (XLA packs it, two or more to a byte); np.asarray(buf) views it"
+            )))
+        })
+    }
+
     fn with_memory(
         memory: AlignedBuf,
         shape: Vec<usize>,
@@ -149,11 +196,11 @@ impl HostBuffer {
             dtype,
             itemsize,
             format: element.format,
-            dl_dtype: DLDataType {
-                code: element.code,
+            dl_dtype: element.code.map(|code| DLDataType {
+                code,
                 bits: (itemsize * 8) as u8,
                 lanes: 1,
-            },
+            }),
             view_strides,
             byte_shape: [nbytes as isize],
             exported: AtomicBool::new(false),
@@ -304,6 +351,8 @@ impl HostBuffer {
             }
         }
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
+        // Refused before anything changes: a refused export hands nothing over.
+        let dl_dtype = this.dlpack_type(slf.py())?;
         if copy == Some(true) {
             let memory = this
                 .memory
@@ -314,7 +363,7 @@ impl HostBuffer {
                 Export {
                     memory: &Arc::new(memory),
                     shape: &this.shape,
-                    dtype: this.dl_dtype,
+                    dtype: dl_dtype,
                     versioned,
                     flags: if versioned { dlpack::FLAG_IS_COPIED } else { 0 },
                 },
@@ -338,7 +387,7 @@ impl HostBuffer {
             Export {
                 memory: &this.memory,
                 shape: &this.shape,
-                dtype: this.dl_dtype,
+                dtype: dl_dtype,
                 versioned,
                 flags: if was_exported {
                     dlpack::FLAG_READ_ONLY
@@ -353,13 +402,14 @@ impl HostBuffer {
     /// (the layout every JAX reads), whether or not the buffer was exported
     /// before (JAX never writes an array's memory). Marks the buffer exported.
     fn jax_capsule<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let dl_dtype = self.dlpack_type(py)?;
         self.mark_exported();
         export(
             py,
             Export {
                 memory: &self.memory,
                 shape: &self.shape,
-                dtype: self.dl_dtype,
+                dtype: dl_dtype,
                 versioned: false,
                 flags: 0,
             },

@@ -57,6 +57,12 @@ mod _core {
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        // The numpy names of the types a HostBuffer holds by their bytes and
+        // hands to JAX with one copy (no DLPack type JAX takes).
+        m.add(
+            "BYTE_TYPES_WITHOUT_DLPACK",
+            pyo3::types::PyFrozenSet::new(m.py(), super::host_buffer::BYTE_TYPES_WITHOUT_DLPACK)?,
+        )?;
         // The test hooks are no export of the module's.
         m.index()?.call_method1("remove", ("_testing",))?;
         // So that `import async_array._core._testing` finds the submodule.
