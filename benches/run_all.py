@@ -275,6 +275,27 @@ def python_rows(t: Table, benches: list[dict]) -> None:
             met=growth < 2,
         )
 
+    t.section("Dtype conversion while reading, 256 MiB from the page cache (medians)")
+    g = "load 256 MiB of float32 as bfloat16"
+    conv = med(g, "converted")
+    plain, astype = med(g, "unconverted"), med(g, "load then astype")
+    t.add(
+        "load_safetensors(dtype=bfloat16) of a float32 file",
+        conv,
+        plain,
+        "the same load, unconverted",
+        target="≤ 1.1",
+        met=_lt(conv, plain, 1.1),
+    )
+    t.add(
+        "the same, against converting after the load",
+        conv,
+        astype,
+        "load, then x.astype(bfloat16)",
+        target="< 1",
+        met=_lt(conv, astype, 1),
+    )
+
     for g, title in (
         ("scenario: load 2 s + compile 1 s + run", "Scenario: load (sleep 2 s) + compile + run"),
         ("scenario: load 2 s + 3-stage pipeline", "Scenario: load (sleep 2 s) + 3-stage pipeline"),

@@ -30,7 +30,7 @@ API = {
     "jit": ("function", "(fun=None, **jit_kwargs)"),
     "load_safetensors": (
         "function",
-        "(source, *, like=None, sharding=None, max_bytes_in_flight=None, timeout=None,"
+        "(source, *, like=None, dtype=None, sharding=None, max_bytes_in_flight=None, timeout=None,"
         " retries=3, progress=False)",
     ),
     "make_array_from_callback": ("function", "(shape, sharding, data_callback, *, dtype)"),

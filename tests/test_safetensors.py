@@ -179,12 +179,12 @@ def test_like_flat_and_nested_return_at_once_and_read_only_those(tmp_path):
 def test_like_mismatches_fail_their_own_leaves_naming_expected_and_found(tmp_path):
     path = tmp_path / "m.safetensors"
     safetensors.numpy.save_file(
-        {"a": np.zeros((2, 3), np.float32), "b": np.zeros(4, np.int32), "c": np.ones(2, np.int8)},
+        {"a": np.zeros((2, 3), np.float32), "b": np.zeros(4, np.float32), "c": np.ones(2, np.int8)},
         str(path),
     )
     like = {
         "a": jax.ShapeDtypeStruct((3, 2), np.float32),
-        "b": jax.ShapeDtypeStruct((4,), np.float32),
+        "b": jax.ShapeDtypeStruct((4,), np.int32),  # float to int: no same_kind cast
         "c": jax.ShapeDtypeStruct((2,), np.int8),
         "missing": jax.ShapeDtypeStruct((1,), np.float32),
     }
@@ -194,7 +194,10 @@ def test_like_mismatches_fail_their_own_leaves_naming_expected_and_found(tmp_pat
         ValueError, match=r"tensor 'a'.*expected shape \(3, 2\).*found shape \(2, 3\)"
     ):
         tree["a"].result(timeout=30)
-    with pytest.raises(ValueError, match=r"tensor 'b'.*dtype float32.*found.*dtype int32 \(I32\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'b'.*dtype int32.*found.*dtype float32 \(F32\); float32 does not cast",
+    ):
         tree["b"].result(timeout=30)
     with pytest.raises(KeyError, match="tensor 'missing' is not in"):
         tree["missing"].result(timeout=30)

@@ -26,10 +26,17 @@ from ._spec import PACKED_IN_XLA, LeafSpecs, Sharding, is_extended, numeric_kind
 _BUILT = (list, tuple, bool, int, float, complex)
 
 
-def check_cast(src: np.dtype, dst: np.dtype, where: str) -> None:
+def castable(src: np.dtype, dst: np.dtype) -> bool:
+    """Whether values of ``src`` convert to ``dst`` (``copy_checked`` then
+    range-checks them): numpy's same_kind casting, and integers of any width
+    or sign (int4 too)."""
     if src == dst or (numeric_kind(src) in "biu" and numeric_kind(dst) in "iu"):
-        return  # integers: any width or sign (int4 too), range-checked by copy_checked
-    if not np.can_cast(src, dst, casting="same_kind"):
+        return True
+    return bool(np.can_cast(src, dst, casting="same_kind"))
+
+
+def check_cast(src: np.dtype, dst: np.dtype, where: str) -> None:
+    if not castable(src, dst):
         raise invalid(
             TypeError,
             f"{where}: expected dtype {dst}, got {src}; async_array casts only where "

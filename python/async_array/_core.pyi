@@ -10,6 +10,7 @@ from numpy.typing import DTypeLike
 __all__ = [
     "ALIGNMENT",
     "BYTE_TYPES_WITHOUT_DLPACK",
+    "CONVERTED_WHILE_READING",
     "DLPACK_CPU",
     "HTTP_GAP",
     "HUGE_PAGES_ENV",
@@ -44,6 +45,9 @@ ALIGNMENT: int
 # numpy names of the one-byte ml_dtypes types a HostBuffer holds by their bytes
 # and hands to JAX with one copy: DLPack has no type for them that JAX takes.
 BYTE_TYPES_WITHOUT_DLPACK: frozenset[str]
+# numpy names of the dtypes SafetensorsFile.read converts between as it reads
+# (float16, bfloat16, float32, float64).
+CONVERTED_WHILE_READING: frozenset[str]
 # DLPack's device type of host memory (kDLCPU, 1).
 DLPACK_CPU: int
 # The environment variable that turns huge pages on (1) or off (0).

@@ -15,7 +15,7 @@ from .._array import AsyncArray
 from .._leaves import fail_all_if_failed, one_source_a_leaf, specs_and_paths
 from .._runtime import paused_gc
 from .._source import Call
-from .._spec import numpy_dtype, timeout_seconds
+from .._spec import numeric_kind, numpy_dtype, timeout_seconds
 from ._plan import Load
 from ._progress import progress_callback
 from ._read import read_job
@@ -27,6 +27,7 @@ def load_safetensors(
     source: str | os.PathLike[str] | bytes,
     *,
     like: None = None,
+    dtype: Any = None,
     sharding: Any = None,
     max_bytes_in_flight: int | None = None,
     timeout: float | None = None,
@@ -40,6 +41,7 @@ def load_safetensors(
     source: str | os.PathLike[str] | bytes,
     *,
     like: Mapping[str, Any],
+    dtype: None = None,
     sharding: Any = None,
     max_bytes_in_flight: int | None = None,
     timeout: float | None = None,
@@ -52,6 +54,7 @@ def load_safetensors(
     source: Any,
     *,
     like: Any = None,
+    dtype: Any = None,
     sharding: Any = None,
     max_bytes_in_flight: int | None = None,
     timeout: float | None = None,
@@ -85,9 +88,18 @@ def load_safetensors(
         spec has ``.shape`` and ``.dtype`` (``jax.ShapeDtypeStruct``). The
         leaves are returned at once, before any header is read; a tensor
         missing from the files fails its leaf with ``KeyError``, one whose
-        shape or dtype differs with ``ValueError`` naming the tensor, the
-        expected and the found shape and dtype. Tensors that ``like`` lacks
-        are not read.
+        shape differs, or whose dtype does not cast to the leaf's, with
+        ``ValueError`` naming the tensor, the expected and the found shape
+        and dtype. A dtype that casts is converted as the tensor is read:
+        numpy's same_kind casting (float32 to bfloat16 or float8, float16 to
+        float32, int to float) and integers of any width, range-checked (a
+        value that does not fit, or a finite float that would become inf or
+        nan, fails the leaf with ``OverflowError``). Tensors that ``like``
+        lacks are not read.
+      dtype: None, or a floating-point dtype (``jnp.bfloat16``, say) every
+        floating-point tensor is converted to, as ``like`` converts (only
+        without ``like``, whose own dtypes say it per tensor); other tensors
+        keep theirs.
       sharding: None (each leaf lands uncommitted on the default device,
         as ``async_wrap``'s), or where to put the tensors, as
         ``jax.device_put`` takes it: one placement for every tensor, or a
@@ -176,8 +188,9 @@ def load_safetensors(
     Note:
       Zero-copy: each tensor's (or shard's) memory becomes its
       ``jax.Array``'s on CPU devices (one buffer for every device holding a
-      replica). Float8 tensors are copied once (DLPack has no code JAX
-      takes for them), as are 64-bit tensors narrowed to 32 bits.
+      replica). A converted tensor is read into memory of the leaf's dtype
+      (64-bit tensors narrowed to 32 bits, ``like`` and ``dtype=``
+      conversions): no zero-copy then, and one more pass over its bytes.
 
     Examples:
       >>> import os, tempfile
@@ -198,11 +211,17 @@ def load_safetensors(
     callback = progress_callback(progress)
     name = f"{NAME}({source!r})"
     file_order = like is None
+    floats_to = _float_dtype(dtype)
     if like is None:
         # On the pool, waited for here: Ctrl-C interrupts the wait.
         where = _core.submit(open_all, source, timeout, retries).result()
-        like = _specs(where)
+        like = _specs(where, floats_to)
     else:
+        if floats_to is not None:
+            raise ValueError(
+                f"{NAME}: pass dtype= or like=, not both: like's dtypes say what each "
+                f"tensor becomes (dtype={floats_to})"
+            )
         where = None
     if callable(sharding):
         sharding = _sharding_by_rule(sharding, like)
@@ -225,16 +244,37 @@ def load_safetensors(
         return {tensor: tree[tensor] for tensor in like} if file_order else tree
 
 
-def _specs(where: dict[str, tuple[Header, int]]) -> dict[str, jax.ShapeDtypeStruct]:
+def _specs(
+    where: dict[str, tuple[Header, int]], floats_to: np.dtype | None = None
+) -> dict[str, jax.ShapeDtypeStruct]:
     """Each tensor's shape and dtype (as JAX will hold it: 64-bit types
-    narrowed with x64 off), in the files' order."""
-    return {
-        tensor: jax.ShapeDtypeStruct(
-            tuple(header.entries[t].shape),
-            jax.dtypes.canonicalize_dtype(numpy_dtype(header.entries[t].numpy_dtype)),
+    narrowed with x64 off; a floating-point one as ``floats_to`` when given),
+    in the files' order."""
+    specs = {}
+    for tensor, (header, t) in where.items():
+        dtype = numpy_dtype(header.entries[t].numpy_dtype)
+        if floats_to is not None and numeric_kind(dtype) == "f":
+            dtype = floats_to
+        specs[tensor] = jax.ShapeDtypeStruct(
+            tuple(header.entries[t].shape), jax.dtypes.canonicalize_dtype(dtype)
         )
-        for tensor, (header, t) in where.items()
-    }
+    return specs
+
+
+def _float_dtype(dtype: Any) -> np.dtype | None:
+    """``dtype=`` checked: None, or a floating-point numpy dtype."""
+    if dtype is None:
+        return None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{NAME}: dtype must be a floating-point dtype, got {dtype!r}") from None
+    if numeric_kind(dt) != "f":
+        raise TypeError(
+            f"{NAME}: dtype must be a floating-point dtype (float32, bfloat16, float16, a "
+            f"float8 kind...), got {dt}"
+        )
+    return dt
 
 
 class SafetensorsHeader(NamedTuple):

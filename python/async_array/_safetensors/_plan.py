@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
-import numpy as np
 
 from .. import _core, _handoff
+from .._convert import castable
 from .._per_shard import Layout, layout
 from .._runtime import jax_work
 from .._spec import LeafSpecs, numpy_dtype
@@ -125,7 +125,7 @@ class Load:
             start, end = entry.start, entry.end
             aval = specs.avals[i]
             found = numpy_dtype(np_name)
-            if tuple(shape) != aval.shape or not dtype_fits(found, aval.dtype):
+            if tuple(shape) != aval.shape or not castable(found, aval.dtype):
                 self.fail(
                     i,
                     ValueError(
@@ -133,6 +133,12 @@ class Load:
                         f"[{start}, {end})): expected shape {aval.shape} and dtype "
                         f"{aval.dtype}, found shape {tuple(shape)} and dtype {found} "
                         f"({st_dtype})"
+                        + (
+                            ""
+                            if castable(found, aval.dtype)
+                            else f"; {found} does not cast to {aval.dtype} (numpy's same_kind, "
+                            "or integers of any width)"
+                        )
                     ),
                 )
                 continue
@@ -300,11 +306,3 @@ class Job(NamedTuple):
 def job(header: Header, group: list[tuple[int, int, Read]]) -> Job:
     reads = [read for _, _, read in group]
     return Job(header.file, reads, sum(r.nbytes for r in reads))
-
-
-def dtype_fits(found: np.dtype, declared: np.dtype) -> bool:
-    """Whether a tensor of dtype ``found`` loads into a leaf of ``declared``:
-    the same, or the 32-bit type JAX makes of a 64-bit one with x64 off."""
-    if found == declared:
-        return True
-    return jax.dtypes.canonicalize_dtype(found) == declared

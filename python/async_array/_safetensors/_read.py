@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
+import numpy as np
 from numpy.typing import DTypeLike
 
 from .. import _handoff
 from .._convert import convert_one
+from .._core import CONVERTED_WHILE_READING
 from .._errors import shallow_copy
 from .._per_shard import index_text, shard_host
 from .._runtime import jax_work
@@ -34,7 +37,7 @@ def read_job(load: Load, job: Job, linked: threading.Event) -> None:
         reads = [r for r in reads if not futures[r.leaf].done()]
         wants: list[tuple[int, DTypeLike, list[tuple[int, int]] | None]] = []
         for r in reads:
-            dtype = numpy_dtype(r.np_name)
+            dtype = read_dtype(r.np_name, specs.avals[r.leaf].dtype)
             if r.bounds is None:
                 wants.append((r.t, dtype, None))
             else:
@@ -96,3 +99,13 @@ def to_jax(specs: LeafSpecs, r: Read, buffers: list[Any]) -> Any:
         )
     except Exception as exc:
         return exc
+
+
+@functools.cache
+def read_dtype(np_name: str, leaf: np.dtype) -> np.dtype:
+    """What the core reads a tensor of dtype ``np_name`` as: the leaf's dtype
+    where the core converts between the two as it reads (float16, bfloat16,
+    float32, float64), else the file's (``convert_one`` then casts)."""
+    if np_name in CONVERTED_WHILE_READING and leaf.name in CONVERTED_WHILE_READING:
+        return leaf
+    return numpy_dtype(np_name)

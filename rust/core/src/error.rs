@@ -68,6 +68,9 @@ pub enum Error {
     Format(String),
     /// A request ran past its deadline (the message says which): `TimeoutError`.
     Deadline(String),
+    /// A value that the dtype it is converted to cannot hold (the message
+    /// says which, where, and the two dtypes): `OverflowError`.
+    Overflow(String),
 }
 
 impl fmt::Display for Error {
@@ -109,7 +112,8 @@ impl fmt::Display for Error {
             | Error::Io(msg)
             | Error::Os { message: msg, .. }
             | Error::Format(msg)
-            | Error::Deadline(msg) => f.write_str(msg),
+            | Error::Deadline(msg)
+            | Error::Overflow(msg) => f.write_str(msg),
         }
     }
 }

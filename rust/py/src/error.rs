@@ -8,8 +8,8 @@
 
 use async_array_core::Error as CoreError;
 use pyo3::exceptions::{
-    PyBufferError, PyFileNotFoundError, PyMemoryError, PyOSError, PyRuntimeError, PyTimeoutError,
-    PyTypeError, PyValueError,
+    PyBufferError, PyFileNotFoundError, PyMemoryError, PyOSError, PyOverflowError, PyRuntimeError,
+    PyTimeoutError, PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -104,6 +104,7 @@ impl From<Error> for PyErr {
             CoreError::Os { errno, message } => PyOSError::new_err((errno, message)),
             CoreError::Format(msg) => PyValueError::new_err(msg),
             CoreError::Deadline(msg) => PyTimeoutError::new_err(msg),
+            CoreError::Overflow(msg) => PyOverflowError::new_err(msg),
         }
     }
 }

@@ -57,6 +57,14 @@ mod _core {
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        // The numpy names of the dtypes the loader converts between as it reads.
+        m.add(
+            "CONVERTED_WHILE_READING",
+            pyo3::types::PyFrozenSet::new(
+                m.py(),
+                async_array_core::safetensors::convert::CONVERTIBLE.map(|d| d.numpy_name()),
+            )?,
+        )?;
         // The numpy names of the types a HostBuffer holds by their bytes and
         // hands to JAX with one copy (no DLPack type JAX takes).
         m.add(

@@ -7,7 +7,7 @@ use crate::host_buffer::HostBuffer;
 use async_array_core::safetensors::http::{Http, RemoteFile};
 use async_array_core::safetensors::local::LocalFile;
 use async_array_core::safetensors::plan::Plan;
-use async_array_core::safetensors::TensorInfo as CoreTensorInfo;
+use async_array_core::safetensors::{Dtype, TensorInfo as CoreTensorInfo};
 use async_array_core::time::timeout_from_secs;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
@@ -177,8 +177,12 @@ impl SafetensorsFile {
     fn read(&self, py: Python<'_>, wants: Vec<Want<'_>>) -> PyResult<Vec<Py<PyAny>>> {
         let tensors = self.tensor_list();
         let mut plan = Plan::default();
-        for (tensor, _, bounds) in &wants {
-            plan.add(tensors, *tensor, bounds.as_deref())
+        for (tensor, dtype, bounds) in &wants {
+            // The dtype asked for: another float type than the file's
+            // converts while reading.
+            let name: String = dtype.getattr("name")?.extract()?;
+            let to = Dtype::from_numpy_name(&name);
+            plan.add(tensors, *tensor, bounds.as_deref(), to)
                 .map_err(Error)?;
         }
         plan.sort();

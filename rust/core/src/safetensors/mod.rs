@@ -8,6 +8,7 @@
 //! any tensor memory is allocated, and no allocation exceeds the file's size:
 //! a corrupt length fails with a message, never with an attempt to allocate it.
 
+pub mod convert;
 pub mod http;
 pub mod local;
 pub mod plan;
@@ -191,6 +192,11 @@ impl Dtype {
     /// The dtype of a safetensors name (`"F32"`), if JAX has it.
     pub fn from_name(name: &str) -> Option<Dtype> {
         Dtype::ALL.into_iter().find(|d| d.name() == name)
+    }
+
+    /// The dtype of a numpy/ml_dtypes name ([`Dtype::numpy_name`]'s inverse).
+    pub fn from_numpy_name(name: &str) -> Option<Dtype> {
+        Dtype::ALL.into_iter().find(|d| d.numpy_name() == name)
     }
 }
 

@@ -18,9 +18,10 @@
 //! often closer than that; then a request brings the bytes of the other
 //! blocks of those rows too, and the server sends more than the block's bytes.
 
+use super::convert::{Cast, Overflow};
 use super::http::{Failure, RemoteFile};
 use super::local::{preadv_exact, LocalFile};
-use super::{count_tensor_bytes, TensorInfo};
+use super::{count_tensor_bytes, Dtype, TensorInfo};
 use crate::buffer::AlignedBuf;
 use crate::error::Error;
 
@@ -30,8 +31,14 @@ pub const HTTP_GAP: u64 = 64 * 1024;
 /// At most this many pieces in one `preadv` (Linux's `IOV_MAX`).
 const IOV_MAX: usize = 1024;
 
+/// Bytes of a file a conversion reads at a time (into a stage reused across
+/// a read), then converts: the stage stays in cache, so no second pass goes
+/// to memory.
+const STAGE: usize = 256 * 1024;
+
 /// One contiguous byte range of the file and where it goes: `len` bytes from
-/// file offset `src` to offset `dst` of output `out`.
+/// file offset `src` to offset `dst` of output `out` (for an output that
+/// converts, `dst` counts the output's bytes, `len` the file's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Piece {
     /// Its first byte in the file.
@@ -51,8 +58,10 @@ pub struct Output {
     pub tensor: usize,
     /// The block's shape (the tensor's for a whole tensor).
     pub shape: Vec<u64>,
-    /// Its size in bytes.
+    /// Its size in bytes (of the dtype it holds: the cast's target when it converts).
     pub nbytes: u64,
+    /// The conversion made as it is read, if any.
+    pub cast: Option<Cast>,
     /// The first file byte it takes (`lo == hi` when it takes none).
     pub lo: u64,
     /// One past the last file byte it takes.
@@ -96,12 +105,15 @@ fn block_label(shape: &[u64], bounds: &[(u64, u64)]) -> String {
 
 impl Plan {
     /// Adds tensor `tensor` of `tensors`, whole (`bounds` None) or the block
-    /// `bounds` (a start and stop per axis, as `index[k].indices(dim)` gives).
+    /// `bounds` (a start and stop per axis, as `index[k].indices(dim)` gives),
+    /// converted to `to` as it is read when `to` is another dtype (one that
+    /// [`Cast::new`] takes, else an error).
     pub fn add(
         &mut self,
         tensors: &[TensorInfo],
         tensor: usize,
         bounds: Option<&[(u64, u64)]>,
+        to: Option<Dtype>,
     ) -> Result<(), Error> {
         let t = tensors.get(tensor).ok_or_else(|| {
             Error::InvalidArgument(format!(
@@ -129,10 +141,23 @@ impl Plan {
                 t.name, t.shape
             )));
         }
+        let cast = match to {
+            Some(to) if to != t.dtype => Some(Cast::new(t.dtype, to).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "read: tensor {:?}: the core converts only between float16, bfloat16, \
+                     float32 and float64, not {} to {}",
+                    t.name,
+                    t.dtype.numpy_name(),
+                    to.numpy_name()
+                ))
+            })?),
+            _ => None,
+        };
         let out = self.outputs.len();
         let itemsize = t.dtype.itemsize();
         let shape: Vec<u64> = bounds.iter().map(|&(a, b)| b - a).collect();
-        let nbytes = shape.iter().product::<u64>() * itemsize;
+        let elements = shape.iter().product::<u64>();
+        let nbytes = elements * cast.map_or(itemsize, |c| c.to.itemsize());
         let first = self.pieces.len();
         if nbytes > 0 {
             // Byte strides of the tensor's axes, row-major.
@@ -173,7 +198,7 @@ impl Plan {
                     out,
                     dst,
                 });
-                dst += run;
+                dst += cast.map_or(run, |c| c.out_len(run));
                 let mut wrapped = true;
                 for k in (0..at.len()).rev() {
                     at[k] += 1;
@@ -198,6 +223,7 @@ impl Plan {
             tensor,
             shape,
             nbytes,
+            cast,
             lo,
             hi,
             runs: mine.len(),
@@ -282,12 +308,22 @@ impl Plan {
             return results;
         }
         let mut i = 0;
+        let mut stage = Vec::new();
         while i < self.pieces.len() {
+            if let Some(cast) = self.outputs[self.pieces[i].out].cast {
+                let p = self.pieces[i];
+                i += 1;
+                if results[p.out].is_ok() {
+                    self.read_converted(file, p, cast, &mut stage, &mut results);
+                }
+                continue;
+            }
             // Pieces that follow each other in the file: one preadv.
             let mut j = i + 1;
             while j < self.pieces.len()
                 && j - i < IOV_MAX
                 && self.pieces[j].src == self.pieces[j - 1].src + self.pieces[j - 1].len
+                && self.outputs[self.pieces[j].out].cast.is_none()
             {
                 j += 1;
             }
@@ -328,6 +364,112 @@ impl Plan {
 
     /// Fails every output not failed yet with `why` (an `OSError`), each
     /// error naming its own tensor and bytes.
+    /// Reads one piece of an output that converts: a stage at a time into
+    /// `stage` (reused), each converted into the output's memory.
+    fn read_converted(
+        &self,
+        file: &LocalFile,
+        p: Piece,
+        cast: Cast,
+        stage: &mut Vec<u8>,
+        results: &mut [Result<AlignedBuf, Error>],
+    ) {
+        let step = (STAGE as u64 / cast.from.itemsize()).max(1) * cast.from.itemsize();
+        let mut done = 0;
+        while done < p.len {
+            let n = step.min(p.len - done);
+            stage.resize(n as usize, 0);
+            let mut iov = [libc::iovec {
+                iov_base: stage.as_mut_ptr().cast(),
+                iov_len: n as usize,
+            }];
+            let outcome = preadv_exact(&file.file, &mut iov, p.src + done)
+                .map_err(|failure| failure.at(&self.here(&file.path, &file.tensors, p.out)))
+                .and_then(|()| {
+                    self.convert_into(&file.path, &file.tensors, p, done, stage, cast, results)
+                });
+            if let Err(err) = outcome {
+                results[p.out] = Err(err);
+                return;
+            }
+            done += n;
+        }
+    }
+
+    /// Converts `src`, the piece's file bytes from `offset` (whole elements),
+    /// into its output's memory; an overflow is the output's error.
+    #[allow(clippy::too_many_arguments)]
+    fn convert_into(
+        &self,
+        source: &str,
+        tensors: &[TensorInfo],
+        p: Piece,
+        offset: u64,
+        src: &[u8],
+        cast: Cast,
+        results: &[Result<AlignedBuf, Error>],
+    ) -> Result<(), Error> {
+        let Ok(buf) = &results[p.out] else {
+            return Ok(());
+        };
+        let at = (p.dst + cast.out_len(offset)) as usize;
+        let len = cast.out_len(src.len() as u64) as usize;
+        // SAFETY: the output owns `nbytes` bytes, nobody else sees them yet,
+        // and `at + len <= dst + out_len(piece len) <= nbytes`.
+        let dst = unsafe { std::slice::from_raw_parts_mut(buf.as_ptr().add(at), len) };
+        cast.run(src, dst).map_err(|Overflow { index, value }| {
+            let element = (offset / cast.from.itemsize()) as usize + index;
+            Error::Overflow(format!(
+                "{}: {} value {value} (element {element} of the piece at byte {}) is finite but \
+                 beyond {}'s range (it would become inf)",
+                self.here(source, tensors, p.out),
+                cast.from.numpy_name(),
+                p.src,
+                cast.to.numpy_name()
+            ))
+        })
+    }
+
+    /// Converts the bytes `part` of piece `p` (from byte `offset` of it, as
+    /// they arrive over HTTP) into its output: whole elements at once, the
+    /// start of one cut by the chunk's end kept in `carry` for the next.
+    #[allow(clippy::too_many_arguments)]
+    fn convert_chunk(
+        &self,
+        file: &RemoteFile,
+        p: Piece,
+        offset: u64,
+        mut part: &[u8],
+        cast: Cast,
+        carry: &mut Vec<u8>,
+        results: &[Result<AlignedBuf, Error>],
+    ) -> Result<(), Error> {
+        let size = cast.from.itemsize() as usize;
+        let mut at = offset - carry.len() as u64;
+        if !carry.is_empty() {
+            let take = (size - carry.len()).min(part.len());
+            carry.extend_from_slice(&part[..take]);
+            part = &part[take..];
+            if carry.len() < size {
+                return Ok(());
+            }
+            let one = std::mem::take(carry);
+            self.convert_into(&file.url, &file.tensors, p, at, &one, cast, results)?;
+            at += size as u64;
+        }
+        let whole = part.len() / size * size;
+        carry.extend_from_slice(&part[whole..]);
+        self.convert_into(
+            &file.url,
+            &file.tensors,
+            p,
+            at,
+            &part[..whole],
+            cast,
+            results,
+        )
+    }
+
     fn fail_all(
         &self,
         source: &str,
@@ -368,6 +510,9 @@ impl Plan {
             let start = group[0].src;
             let mut pos = start;
             let mut k = 0;
+            // The start of an element that a converting output still waits
+            // the rest of (a chunk may end inside one).
+            let mut carry: Vec<u8> = Vec::new();
             let read = file.http.read_range(
                 &file.url,
                 start,
@@ -385,7 +530,20 @@ impl Plan {
                             continue;
                         }
                         let n = ((p.src + p.len - pos) as usize).min(chunk.len());
-                        if let Ok(buf) = &results[p.out] {
+                        if let Some(cast) = self.outputs[p.out].cast {
+                            let offset = pos - p.src;
+                            if let Err(err) = self.convert_chunk(
+                                file,
+                                p,
+                                offset,
+                                &chunk[..n],
+                                cast,
+                                &mut carry,
+                                &results,
+                            ) {
+                                results[p.out] = Err(err);
+                            }
+                        } else if let Ok(buf) = &results[p.out] {
                             // SAFETY: the buffer owns `nbytes` bytes, nobody else
                             // sees it yet, and `dst + (pos - src) + n <= dst + len <= nbytes`.
                             unsafe {
@@ -415,7 +573,7 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::safetensors::{tensor_bytes_read, Dtype};
+    use crate::safetensors::tensor_bytes_read;
 
     fn tensor(shape: &[u64], start: u64) -> TensorInfo {
         let n: u64 = shape.iter().product::<u64>() * 4;
@@ -431,7 +589,7 @@ mod tests {
     fn pieces(shape: &[u64], bounds: &[(u64, u64)]) -> (Plan, Vec<(u64, u64)>) {
         let t = [tensor(shape, 100)];
         let mut plan = Plan::default();
-        plan.add(&t, 0, Some(bounds)).unwrap();
+        plan.add(&t, 0, Some(bounds), None).unwrap();
         let runs = plan.pieces.iter().map(|p| (p.src, p.len)).collect();
         (plan, runs)
     }
@@ -468,10 +626,10 @@ mod tests {
     fn blocks_out_of_bounds_are_refused() {
         let t = [tensor(&[3, 4], 0)];
         let mut plan = Plan::default();
-        assert!(plan.add(&t, 0, Some(&[(0, 4), (0, 4)])).is_err());
-        assert!(plan.add(&t, 0, Some(&[(2, 1), (0, 4)])).is_err());
-        assert!(plan.add(&t, 0, Some(&[(0, 3)])).is_err());
-        assert!(plan.add(&t, 1, None).is_err());
+        assert!(plan.add(&t, 0, Some(&[(0, 4), (0, 4)]), None).is_err());
+        assert!(plan.add(&t, 0, Some(&[(2, 1), (0, 4)]), None).is_err());
+        assert!(plan.add(&t, 0, Some(&[(0, 3)]), None).is_err());
+        assert!(plan.add(&t, 1, None, None).is_err());
     }
 
     #[test]
@@ -489,10 +647,10 @@ mod tests {
         let file = LocalFile::open(&path).unwrap();
         let mut plan = Plan::default();
         for c in 0..3 {
-            plan.add(&file.tensors, 0, Some(&[(1, 4), (c * 4, c * 4 + 4)]))
+            plan.add(&file.tensors, 0, Some(&[(1, 4), (c * 4, c * 4 + 4)]), None)
                 .unwrap();
         }
-        plan.add(&file.tensors, 0, None).unwrap();
+        plan.add(&file.tensors, 0, None, None).unwrap();
         plan.sort();
         let before = tensor_bytes_read();
         let out = plan.read_local(&file);
