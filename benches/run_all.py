@@ -275,6 +275,22 @@ def python_rows(t: Table, benches: list[dict]) -> None:
             met=growth < 2,
         )
 
+    t.section("Streaming consumer of a 512 MiB model, max_bytes_in_flight 64 MiB (fresh processes)")
+    g = "streaming consumer of 512 MiB, max_bytes_in_flight 64 MiB"
+    ours_peak = med(g, "async_array: load_safetensors + as_completed", "peak_growth_bytes")
+    twin_peak = med(g, "one tensor at a time + device_put", "peak_growth_bytes")
+    bound = by.get((g, "one tensor at a time + device_put"), {}).get("extra_info", {})
+    bound = bound.get("bound_bytes")
+    t.add(
+        "peak RSS growth, each leaf dropped as as_completed yields it",
+        ours_peak,
+        twin_peak,
+        "one tensor at a time into device_put",
+        fmt=lambda b: f"{b / 2**20:.0f} MiB",
+        target=f"≤ {bound / 2**20:.0f} MiB (1.2 x budget + a tensor)" if bound else "",
+        met=None if ours_peak is None or bound is None else ours_peak <= bound,
+    )
+
     t.section("Dtype conversion while reading, 256 MiB from the page cache (medians)")
     g = "load 256 MiB of float32 as bfloat16"
     conv = med(g, "converted")
