@@ -292,7 +292,7 @@ REPRS = {
 }
 
 
-@pytest.mark.parametrize("state", [s for s in STATES if s != "running"])
+@pytest.mark.parametrize("state", STATES)
 def test_repr_names_each_state(leaves, state):
     # repr is the first thing asked of the future: nothing else moved its state.
     fut = leaves.leaf(state).future()
@@ -303,6 +303,7 @@ def test_repr_names_each_state(leaves, state):
     ("state", "cancels", "after"),
     [
         ("pending", True, "cancelled"),
+        ("running", False, "running"),
         ("cancelled", True, "cancelled"),
         ("failed", False, "failed"),
         ("finished", False, "finished"),
@@ -586,6 +587,34 @@ def test_as_completed_timeout_counts_the_unfinished(leaves):
 
 
 # -- at once: the future never lags its leaf ------------------------------------------
+
+
+def test_future_is_done_once_its_leaf_is():
+    # A reader that saw the leaf done sees its future done, whatever the
+    # finishing thread still does (here: a callback of the whole tree's
+    # future, added before the leaf's future was taken, holds it).
+    gate = Gate(np.full(2, 7.0, F32))
+    x = gate.leaf()
+    release = threading.Event()
+    tree_future = aa.future(x)
+    tree_future.add_done_callback(lambda _: release.wait(WAIT))
+    fut = x.future()
+    gate.open()
+    x.result(timeout=WAIT)
+    try:
+        assert fut.done() and "state=finished" in repr(fut)
+        assert cf.wait([fut], timeout=0).done == {fut}
+        np.testing.assert_array_equal(fut.result(timeout=0), [7, 7])
+    finally:
+        release.set()
+
+
+def test_repr_says_running_without_asking_running_first():
+    gate = Gate(np.ones(2, F32))
+    x = gate.leaf()
+    fut = x.future()
+    wait_for(gate.started, "the loader to start")
+    assert "state=running" in repr(fut)
 
 
 # -- asyncio ----------------------------------------------------------------------------
