@@ -589,6 +589,35 @@ def test_as_completed_timeout_counts_the_unfinished(leaves):
 # -- at once: the future never lags its leaf ------------------------------------------
 
 
+def test_futures_are_done_when_a_callback_of_their_task_runs():
+    # A task's callbacks run in order on the finishing thread. One added
+    # before the futures were taken (here a callback of the sibling leaf)
+    # sees them done, and a wait on them inside it returns.
+    gate = Gate({"a": np.ones(2, F32), "b": np.zeros(2, F32)})
+    spec = jax.ShapeDtypeStruct((2,), F32)
+    tree = aa.async_wrap(gate, like={"a": spec, "b": spec})
+    seen = {}
+    looked = threading.Event()
+
+    def look(_):
+        futures = [tree["a"].future(), tree["b"].future()]
+        # First of all a wait, so that no other question moved their state.
+        seen["blocking wait"] = cf.wait(futures, timeout=WAIT).done  # WAIT: it hung
+        seen["done"] = [f.done() for f in futures]
+        seen["repr"] = [repr(f) for f in futures]
+        seen["wait"] = cf.wait(futures, timeout=0).done
+        seen["as_completed"] = set(cf.as_completed(futures))
+        looked.set()
+
+    tree["a"].add_done_callback(look)
+    futures = {tree["a"].future(), tree["b"].future()}  # their own callbacks come after
+    gate.open()
+    wait_for(looked, "the callback to see the futures done")
+    assert seen["done"] == [True, True]
+    assert all("state=finished" in r for r in seen["repr"]), seen["repr"]
+    assert seen["wait"] == seen["blocking wait"] == seen["as_completed"] == futures
+
+
 def test_future_is_done_once_its_leaf_is():
     # A reader that saw the leaf done sees its future done, whatever the
     # finishing thread still does (here: a callback of the whole tree's

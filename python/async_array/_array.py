@@ -446,7 +446,10 @@ def _leaf_future(leaf: AsyncArray) -> LeafFuture:
         fut.set_result(leaf._value)
         return fut
     fut = LeafFuture(source, leaf._index)
-    source.future.add_done_callback(functools.partial(_settle, fut, source, leaf._index))
+    # Before the task's other callbacks: none of them may see the leaf done
+    # and its future not (a wait on the future there would never end).
+    settle = functools.partial(_settle, fut, source, leaf._index)
+    source.future.add_done_callback(settle, first=True)
     return fut
 
 
