@@ -391,6 +391,38 @@ def test_exception_waits_for_the_leaf_to_fail():
     assert isinstance(exc, Boom) and exc.args == ("late",)
 
 
+def assert_mirrors(x, fut):
+    """``fut`` ended as its leaf ``x`` did."""
+    assert cf.wait([fut], timeout=WAIT).done == {fut}
+    if x.cancelled():
+        assert fut.cancelled()
+    elif x.exception(timeout=0) is not None:
+        assert fut.exception(timeout=0) is x.exception(timeout=0)
+    else:
+        assert fut.result(timeout=0) is x.result()
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_set_result_is_the_leafs_alone(leaves, state):
+    # The leaf sets its future: a user's set_result would make the two
+    # disagree for good, so it is refused in every state (as CPython refuses a
+    # second set_result), and the future still ends as its leaf.
+    x = leaves.leaf(state)
+    with pytest.raises(cf.InvalidStateError, match="set by its leaf"):
+        x.future().set_result(2)
+    leaves.gate.open()
+    assert_mirrors(x, x.future())
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_set_exception_is_the_leafs_alone(leaves, state):
+    x = leaves.leaf(state)
+    with pytest.raises(cf.InvalidStateError, match="set by its leaf"):
+        x.future().set_exception(ValueError("not the leaf's"))
+    leaves.gate.open()
+    assert_mirrors(x, x.future())
+
+
 # -- concurrent.futures.wait ----------------------------------------------------------
 
 

@@ -438,12 +438,26 @@ class LeafFuture(concurrent.futures.Future):
         self._sync()
         return super().__repr__()
 
+    # Only the leaf sets its future: set by anyone else, the two would
+    # disagree for good. Refused in every state, as CPython refuses a second
+    # set_result.
+    def set_result(self, result: Any) -> None:
+        raise concurrent.futures.InvalidStateError(_SET_BY_LEAF.format(self, "set_result"))
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        raise concurrent.futures.InvalidStateError(_SET_BY_LEAF.format(self, "set_exception"))
+
+
+_SET_BY_LEAF = "{!r} is set by its leaf alone (AsyncArray.future()); {} is not for its users"
+_set_result = concurrent.futures.Future.set_result
+_set_exception = concurrent.futures.Future.set_exception
+
 
 def _leaf_future(leaf: AsyncArray) -> LeafFuture:
     source = leaf._source
     if source is None:
         fut = LeafFuture(None, leaf._index)
-        fut.set_result(leaf._value)
+        _set_result(fut, leaf._value)
         return fut
     fut = LeafFuture(source, leaf._index)
     # Before the task's other callbacks: none of them may see the leaf done
@@ -472,9 +486,9 @@ def _settle(fut: LeafFuture, source: Source, index: int, _: Any = None) -> None:
     try:
         value = source.value(index, 0)
     except BaseException as exc:  # the leaf's own failure, for the future to hold
-        outcome = functools.partial(fut.set_exception, exc)
+        outcome = functools.partial(_set_exception, fut, exc)
     else:
-        outcome = functools.partial(fut.set_result, value)
+        outcome = functools.partial(_set_result, fut, value)
     try:
         outcome()
     except concurrent.futures.InvalidStateError:
