@@ -45,9 +45,11 @@ test_random_bits_is_pure_map_1d                        test_random_bits_of_the_r
 test_random_bits_is_pure_map_2d                        test_random_bits_of_the_result_stay_local
                                                        (the 3x2, 4x2, 2x3 meshes: 8dev)
 random_test: test_make_array_from_callback             test_a_callback_returning_prng_keys
-layout_test: test_make_array_from_callback             test_a_format_sharding_equals_jax_own:
-                                                       xfail (strict), aa refuses a Format (a
-                                                       sharding with a device-local layout)
+layout_test: test_make_array_from_callback             test_a_format_sharding_equals_jax_own,
+                                                       test_a_format_jax_refuses_is_refused
+                                                       (another layout than the default one:
+                                                       strict xfail, test_a_format_of_another_
+                                                       layout_equals_jax_own)
 api_test: test_internal_device_put_assembled           test_callback_value_kinds_equal_jax_own
                                                        [uncommitted jax arrays] (JAX's count of
                                                        its own internal device_puts does not
@@ -57,10 +59,11 @@ checkify_test, pjit_test, multiprocess tests           not applicable: make_arra
 =====================================================  ==========================================
 
 29 rows (the last one a group of files): 27 apply and have a twin here,
-26 of which pass and one is a strict xfail (the Format); 2 do not apply.
+all passing; 2 do not apply.
 Beyond the table: the shardings, dtypes and callback values of the
 parametrized tests (dtypes aa cannot hold yet are strict xfails: int4,
-uint4, int2, uint2, float8_*, float4_e2m1fn); ``PositionalSharding`` where
+uint4, int2, uint2, float8_*, float4_e2m1fn; so is a Format of another
+layout than the default one); ``PositionalSharding`` where
 the installed JAX has it (0.10 has not). Two known differences by design:
 JAX infers the dtype from the first shard when none is given, while ``aa``
 reads nothing at the call, so its ``dtype`` is required
@@ -82,6 +85,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import DTYPE_IDS, DTYPES, WAIT
+from jax.experimental.layout import Format, Layout
 from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -374,20 +378,47 @@ def test_a_traced_callback_value_is_refused():
             jax.jit(fn)(global_x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="open item: aa refuses a Format (a sharding with a device-local layout) as its "
-    "sharding, which JAX takes; a leaf would need to declare its layout",
-)
 def test_a_format_sharding_equals_jax_own():
-    # layout_test.py's test_make_array_from_callback.
+    # layout_test.py's test_make_array_from_callback: a compiled function's
+    # output format (its sharding and each shard's device-local layout).
     sharding = NamedSharding(mesh((2, 1), ("x", "y")), P("x", "y"))
     data = data_of((8, 2))
     sds = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
     fmt = jax.jit(lambda v: v * 2).lower(sds).compile().output_formats
     _, ours, theirs = both(data.shape, fmt, lambda index: data[index], np.int32, jax_dtype=None)
     assert ours.format == theirs.format == fmt
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,
+    reason="open item: a Format of a layout other than the default one fails the leaf (a "
+    "pending leaf declares no layout, so jax.jit would compile it for the default one)",
+)
+def test_a_format_of_another_layout_equals_jax_own():
+    sharding = NamedSharding(mesh((2, 1), ("x", "y")), P("x", "y"))
+    data = data_of((8, 2))
+    fmt = Format(Layout(major_to_minor=(1, 0)), sharding)  # the transposed one
+    _, ours, theirs = both(data.shape, fmt, lambda index: data[index], np.int32, jax_dtype=None)
+    assert ours.format == theirs.format
+
+
+@pytest.mark.parametrize(
+    ("fmt", "error"),
+    [
+        (Format(Layout.AUTO, SingleDeviceSharding(jax.devices()[0])), "Layout.AUTO cannot be used"),
+        (Format(None, None), "sharding"),
+    ],
+    ids=["auto layout", "no sharding"],
+)
+def test_a_format_jax_refuses_is_refused(fmt, error):
+    def callback(index):
+        return np.zeros(4, np.int32)[index]
+
+    with pytest.raises(TypeError):
+        jax.make_array_from_callback((4,), fmt, callback)
+    with pytest.raises(TypeError, match=error):
+        aa.make_array_from_callback((4,), fmt, callback, dtype=np.int32)
 
 
 def test_a_shard_of_another_dtype_is_cast_where_jax_refuses():
