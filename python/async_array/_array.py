@@ -365,69 +365,134 @@ def _call_back(fn: Callable[[AsyncArray], Any], leaf: AsyncArray, *_: Any) -> No
 _FUTURE_LOCK = threading.Lock()
 
 
-class LeafFuture(concurrent.futures.Future):
-    """The ``concurrent.futures.Future`` of one leaf (``AsyncArray.future()``):
-    ``cancel()`` cancels the leaf's task first, so both agree."""
+_PENDING = concurrent.futures._base.PENDING
+_RUNNING = concurrent.futures._base.RUNNING
+_CANCELLED = concurrent.futures._base.CANCELLED
 
-    def __init__(self, cancel_task: Callable[[], bool], task_running: Callable[[], bool]) -> None:
+
+class LeafFuture(concurrent.futures.Future):
+    """The ``concurrent.futures.Future`` of one leaf (``AsyncArray.future()``).
+
+    Every question asked of it (``done``, ``running``, ``result``, ``repr``,
+    ...) first brings it to its leaf's state: the pool gives no start
+    callback, and a task's end reaches the future through a callback that
+    the finishing thread runs only after it has woken the leaf's readers.
+    ``cancel()`` cancels the leaf's task first, so both agree.
+    """
+
+    def __init__(self, source: Source | None, index: int) -> None:
         super().__init__()
-        self._cancel_task = cancel_task
-        self._task_running = task_running
+        # The task's output, not the leaf: a leaf it kept alive would keep
+        # its own future alive. None: the leaf was ready when asked.
+        self._leaf_source = source
+        self._leaf_index = index
+
+    def _sync(self) -> None:
+        """Brings the state to the task's: RUNNING once it runs, and the
+        outcome once it ended (the first thread to get there sets it)."""
+        source = self._leaf_source
+        if source is None or self._state not in (_PENDING, _RUNNING):
+            return
+        task = source.future
+        if task.done():
+            _settle(self, source, self._leaf_index)
+        elif self._state == _PENDING and task.running():
+            with self._condition:
+                if self._state == _PENDING:
+                    self._state = _RUNNING
 
     def cancel(self) -> bool:
-        if self.done():
-            return self.cancelled()
-        if not self._cancel_task():
-            return False
-        return super().cancel()
+        self._sync()
+        source = self._leaf_source
+        if self._state in (_PENDING, _RUNNING) and source is not None:
+            if not source.future.cancel():
+                return False
+            _settle(self, source, self._leaf_index)
+        return self.cancelled()
+
+    def cancelled(self) -> bool:
+        self._sync()
+        return super().cancelled()
 
     def running(self) -> bool:
-        # The pool gives no start callback: the state moves to RUNNING when
-        # asked, as an executor's worker would have moved it.
-        if self._task_running():
-            with self._condition:
-                if self._state == concurrent.futures._base.PENDING:
-                    self.set_running_or_notify_cancel()
+        self._sync()
         return super().running()
 
+    def done(self) -> bool:
+        self._sync()
+        return super().done()
 
-def _false() -> bool:
-    return False
+    def result(self, timeout: float | None = None) -> Any:
+        self._sync()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._sync()
+        return super().exception(timeout)
+
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future], object]) -> None:
+        self._sync()
+        super().add_done_callback(fn)
+
+    def __repr__(self) -> str:
+        self._sync()
+        return super().__repr__()
+
+    # Only the leaf sets its future: set by anyone else, the two would
+    # disagree for good. Refused in every state, as CPython refuses a second
+    # set_result.
+    def set_result(self, result: Any) -> None:
+        raise concurrent.futures.InvalidStateError(_SET_BY_LEAF.format(self, "set_result"))
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        raise concurrent.futures.InvalidStateError(_SET_BY_LEAF.format(self, "set_exception"))
+
+
+_SET_BY_LEAF = "{!r} is set by its leaf alone (AsyncArray.future()); {} is not for its users"
+_set_result = concurrent.futures.Future.set_result
+_set_exception = concurrent.futures.Future.set_exception
 
 
 def _leaf_future(leaf: AsyncArray) -> LeafFuture:
-    # The future refers to the task, not to the leaf: a leaf it kept alive
-    # would keep its own future alive.
     source = leaf._source
     if source is None:
-        fut = LeafFuture(_false, _false)
-        fut.set_result(leaf._value)
+        fut = LeafFuture(None, leaf._index)
+        _set_result(fut, leaf._value)
         return fut
-    fut = LeafFuture(source.future.cancel, source.future.running)
-    source.future.add_done_callback(functools.partial(_settle, fut, source, leaf._index))
+    fut = LeafFuture(source, leaf._index)
+    # Before the task's other callbacks: none of them may see the leaf done
+    # and its future not (a wait on the future there would never end).
+    settle = functools.partial(_settle, fut, source, leaf._index)
+    source.future.add_done_callback(settle, first=True)
     return fut
 
 
 def _settle(fut: LeafFuture, source: Source, index: int, _: Any = None) -> None:
-    """Completes a leaf's future as its task ended (on the finishing thread)."""
+    """Completes a leaf's future as its task ended, once: on the finishing
+    thread, or on the first thread that asks the future before that one."""
+    if fut._state not in (_PENDING, _RUNNING):
+        return
+    if source.future.cancelled():
+        with fut._condition:
+            if fut._state not in (_PENDING, _RUNNING):
+                return
+            fut._state = _CANCELLED
+            # What an executor's worker does for a cancelled item: only this
+            # step tells concurrent.futures.wait/as_completed's waiters.
+            fut.set_running_or_notify_cancel()
+            fut._condition.notify_all()
+        fut._invoke_callbacks()  # type: ignore[attr-defined]
+        return
     try:
-        if source.future.cancelled():
-            concurrent.futures.Future.cancel(fut)
-            # Only this step tells concurrent.futures.wait/as_completed's
-            # waiters (an executor's worker takes it for a cancelled item).
-            with fut._condition:
-                notify = fut._state == concurrent.futures._base.CANCELLED
-            if notify:
-                fut.set_running_or_notify_cancel()
-            return
-        try:
-            value = source.value(index, 0)
-        except BaseException as exc:  # the leaf's own failure, for the future to hold
-            fut.set_exception(exc)
-        else:
-            fut.set_result(value)
+        value = source.value(index, 0)
+    except BaseException as exc:  # the leaf's own failure, for the future to hold
+        outcome = functools.partial(_set_exception, fut, exc)
+    else:
+        outcome = functools.partial(_set_result, fut, value)
+    try:
+        outcome()
     except concurrent.futures.InvalidStateError:
-        pass  # cancelled by its user meanwhile
+        pass  # another thread settled it meanwhile
 
 
 def _forward(name: str) -> Callable[..., Any]:

@@ -141,10 +141,24 @@ class _LeafShards:
     """One leaf's shards as they arrive; the task that brings the last one
     makes the leaf's ``jax.Array``."""
 
-    __slots__ = ("future", "layout", "leaf", "lock", "path", "remaining", "shards", "spec", "specs")
+    __slots__ = (
+        "device_layout",
+        "future",
+        "layout",
+        "leaf",
+        "lock",
+        "path",
+        "remaining",
+        "shards",
+        "spec",
+        "specs",
+    )
 
-    def __init__(self, specs: LeafSpecs, leaf: int, path: Any, lay: Layout) -> None:
+    def __init__(
+        self, specs: LeafSpecs, leaf: int, path: Any, lay: Layout, device_layout: Any = None
+    ) -> None:
         self.specs = specs
+        self.device_layout = device_layout
         self.leaf = leaf
         self.path = path
         self.layout = lay
@@ -167,9 +181,19 @@ class _LeafShards:
         if is_extended(aval.dtype):  # jax.Array shards (PRNG keys): JAX's own assembly
             arrays = [jax.device_put(s, d) for s, d in zip(shards, lay.devices, strict=True)]
             return jax.make_array_from_single_device_arrays(aval.shape, specs.shardings[i], arrays)
-        return _handoff.put_shards(
+        array: Any = _handoff.put_shards(  # Any: .format is not in JAX's stubs of jax.Array
             shards, lay.devices, aval, specs.shardings[i], specs.committed[i], True
         )
+        wanted = self.device_layout
+        if wanted is not None and lay.indices and array.format.layout != wanted:
+            # A pending leaf declares no layout, so jax.jit compiles for the
+            # default one: a leaf of another layout would reach it unchanged.
+            raise TypeError(
+                f"{specs.where(i)}: a device-local layout other than the default one "
+                f"is not supported yet: asked for {wanted}, the default is "
+                f"{array.format.layout}"
+            )
+        return array
 
 
 def _fail(state: _LeafShards, k: int, exc: BaseException) -> None:
@@ -228,16 +252,18 @@ def _cancel_leaf_if_cancelled(state: _LeafShards, task: _core.Future) -> None:
 
 
 def submit_per_shard(
-    fn: Callable[..., Any], specs: LeafSpecs, paths: list[Any]
+    fn: Callable[..., Any], specs: LeafSpecs, paths: list[Any], device_layout: Any = None
 ) -> list[AsyncArray]:
     """Submits ``fn(path, spec, index)`` for every leaf of ``specs`` and every
     distinct index its sharding gives this process, in one submission; returns
-    the leaves in order."""
+    the leaves in order. ``device_layout``: the ``jax.experimental.layout.Layout``
+    asked of every shard on its device (None: the default); a leaf placed with
+    another fails (only the default one is supported)."""
     states = []
     args: list[tuple[Any, ...]] = []
     for i, path in enumerate(paths):
         lay = layout(specs.shardings[i], specs.avals[i].shape)
-        state = _LeafShards(specs, i, path, lay)
+        state = _LeafShards(specs, i, path, lay, device_layout)
         states.append(state)
         args.extend((fn, state, k) for k in range(len(lay.indices)))
     for state in states:

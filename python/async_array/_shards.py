@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from jax.experimental.layout import Format, Layout
+
 from ._array import AsyncArray
 from ._per_shard import submit_per_shard
 from ._runtime import paused_gc
@@ -37,8 +39,11 @@ def make_array_from_callback(
     Args:
       shape: the global shape, a tuple of ints.
       sharding: a ``jax.sharding.Sharding`` (``NamedSharding`` sharded or
-        replicated, ``SingleDeviceSharding``), a ``jax.Device``, or a
-        ``PartitionSpec`` under ``jax.set_mesh``. The result is committed to it.
+        replicated, ``SingleDeviceSharding``), a ``jax.Device``, a
+        ``PartitionSpec`` under ``jax.set_mesh``, or a
+        ``jax.experimental.layout.Format`` (a sharding with each shard's
+        device-local layout, as a compiled function's ``input_formats``) whose
+        layout is None or the default one. The result is committed to it.
       data_callback: ``data_callback(index)`` with ``index`` a tuple of
         slices into the global array (as JAX passes it) returns that shard:
         anything ``async_wrap``'s ``f`` may return, of the index's shape.
@@ -58,7 +63,8 @@ def make_array_from_callback(
     The leaf then fails, at every use, with: the callback's own exception
     (a note names the index and its devices); ``ValueError`` for a shard
     whose shape is not its index's; ``TypeError`` for a cast across kinds;
-    ``OverflowError`` for a value that does not fit ``dtype``. Errors name the
+    ``OverflowError`` for a value that does not fit ``dtype``; ``TypeError``
+    for a ``Format`` whose layout is not the default one. Errors name the
     call, the index and the devices.
 
     Note:
@@ -83,7 +89,17 @@ def make_array_from_callback(
     name = f"make_array_from_callback({qualname(data_callback)})"
     if sharding is None:
         raise TypeError(f"{name}: needs a sharding, as jax.make_array_from_callback")
+    device_layout = None
+    if isinstance(sharding, Format):
+        device_layout, sharding = sharding.layout, sharding.sharding
+        if isinstance(device_layout, type(Layout.AUTO)):
+            raise TypeError(
+                f"{name}: Layout.AUTO cannot be used in place of a device-local layout, "
+                "as in jax.make_array_from_callback"
+            )
+        if sharding is None:
+            raise TypeError(f"{name}: a Format needs a sharding, as jax.make_array_from_callback")
     with paused_gc():
         specs = declare(name, shape, dtype, None, sharding)
-        (leaf,) = submit_per_shard(_callback_of(data_callback), specs, [()])
+        (leaf,) = submit_per_shard(_callback_of(data_callback), specs, [()], device_layout)
     return leaf

@@ -225,10 +225,12 @@ impl PyFuture {
     }
 
     /// Calls `fn(future)` once finished (at once, here, if it is). An exception
-    /// from `fn` is logged to the `async_array` logger, never lost.
-    fn add_done_callback(slf: &Bound<'_, Self>, func: Py<PyAny>) {
+    /// from `fn` is logged to the `async_array` logger, never lost. With
+    /// `first`, `fn` runs before every callback added without it.
+    #[pyo3(signature = (func, *, first = false))]
+    fn add_done_callback(slf: &Bound<'_, Self>, func: Py<PyAny>, first: bool) {
         let me = slf.clone().unbind();
-        slf.get().inner.add_done_callback(move |_| {
+        let callback = move |_: &Outcome<Py<PyAny>, TaskError>| {
             // Skipped once the interpreter is finalizing: no Python runs then.
             Python::try_attach(|py| {
                 let called = PyTuple::new(py, [me.bind(py)])
@@ -238,7 +240,13 @@ impl PyFuture {
                 }
                 park_on_thread_exit(|| drop((func, me)));
             });
-        });
+        };
+        let inner = &slf.get().inner;
+        if first {
+            inner.add_first_done_callback(callback);
+        } else {
+            inner.add_done_callback(callback);
+        }
     }
 
     fn __repr__(&self) -> String {

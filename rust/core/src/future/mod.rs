@@ -70,7 +70,9 @@ type Callback<T, E> = Box<dyn FnOnce(&Outcome<T, E>) + Send>;
 /// What the future's mutex guards.
 struct Guarded<T, E> {
     /// With the id [`Future::remove_done_callback`] takes (0: not removable).
+    /// The first `firsts` are those of [`Future::add_first_done_callback`].
     callbacks: Vec<(u64, Callback<T, E>)>,
+    firsts: usize,
     /// Threads sleeping on `cond`: std's `notify_all` is a system call even
     /// with nobody to wake, so finishing a future nobody waits on skips it.
     waiters: usize,
@@ -136,6 +138,7 @@ impl<T, E> Future<T, E> {
                 outcome: OnceLock::new(),
                 guarded: Mutex::new(Guarded {
                     callbacks: Vec::new(),
+                    firsts: 0,
                     waiters: 0,
                     blocked_on: None,
                 }),
@@ -275,7 +278,15 @@ impl<T, E> Future<T, E> {
 
     /// Runs `callback` when the future finishes, or at once (on this thread) if it has.
     pub fn add_done_callback(&self, callback: impl FnOnce(&Outcome<T, E>) + Send + 'static) {
-        self.add_callback(0, Box::new(callback));
+        self.add_callback(0, Box::new(callback), false);
+    }
+
+    /// As [`Future::add_done_callback`], but the callback runs before every
+    /// callback added otherwise, earlier or later (and after the first ones
+    /// added before it): what must be in step with the outcome before anyone
+    /// else hears of it.
+    pub fn add_first_done_callback(&self, callback: impl FnOnce(&Outcome<T, E>) + Send + 'static) {
+        self.add_callback(0, Box::new(callback), true);
     }
 
     /// As [`Future::add_done_callback`]; returns the id that removes the
@@ -286,15 +297,23 @@ impl<T, E> Future<T, E> {
     ) -> Option<u64> {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        self.add_callback(id, Box::new(callback)).then_some(id)
+        self.add_callback(id, Box::new(callback), false)
+            .then_some(id)
     }
 
-    /// Registers `callback`, or runs it at once; true when registered.
-    fn add_callback(&self, id: u64, callback: Callback<T, E>) -> bool {
+    /// Registers `callback` (before every other but the first ones when
+    /// `first`), or runs it at once; true when registered.
+    fn add_callback(&self, id: u64, callback: Callback<T, E>, first: bool) -> bool {
         {
             let mut guard = lock(&self.shared.guarded);
             if self.shared.phase.load(Ordering::Acquire) != FINISHED {
-                guard.callbacks.push((id, callback));
+                if first {
+                    let at = guard.firsts;
+                    guard.callbacks.insert(at, (id, callback));
+                    guard.firsts += 1;
+                } else {
+                    guard.callbacks.push((id, callback));
+                }
                 return true;
             }
         }
@@ -312,6 +331,7 @@ impl<T, E> Future<T, E> {
         let removed = {
             let mut guard = lock(&self.shared.guarded);
             let at = guard.callbacks.iter().position(|(i, _)| *i == id);
+            // Removable callbacks are never first ones: `firsts` stays right.
             at.map(|at| guard.callbacks.remove(at))
         };
         drop(removed); // outside the lock: dropping a callback may free anything
@@ -436,6 +456,23 @@ mod tests {
             }
         });
         assert_eq!(seen.load(Ordering::SeqCst), 505);
+    }
+
+    #[test]
+    fn first_callbacks_run_before_the_others_in_their_own_order() {
+        let f = F::new();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        for (name, first) in [("a", false), ("b", true), ("c", false), ("d", true)] {
+            let order = Arc::clone(&order);
+            let push = move |_: &Outcome<u64, String>| lock(&order).push(name);
+            if first {
+                f.add_first_done_callback(push);
+            } else {
+                f.add_done_callback(push);
+            }
+        }
+        f.complete(Outcome::Value(1));
+        assert_eq!(*lock(&order), ["b", "d", "a", "c"]);
     }
 
     #[test]
