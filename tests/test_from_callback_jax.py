@@ -61,9 +61,9 @@ checkify_test, pjit_test, multiprocess tests           not applicable: make_arra
 29 rows (the last one a group of files): 27 apply and have a twin here,
 all passing; 2 do not apply.
 Beyond the table: the shardings, dtypes and callback values of the
-parametrized tests (dtypes aa cannot hold yet are strict xfails: int4,
-uint4, int2, uint2, float8_*, float4_e2m1fn; so is a Format of another
-layout than the default one); ``PositionalSharding`` where
+parametrized tests (int4, uint4, int2, uint2, the float8 kinds and
+float4_e2m1fn included; a Format of another layout than the default one is
+a strict xfail); ``PositionalSharding`` where
 the installed JAX has it (0.10 has not). Two known differences by design:
 JAX infers the dtype from the first shard when none is given, while ``aa``
 reads nothing at the call, so its ``dtype`` is required
@@ -228,16 +228,7 @@ NARROW = (
     "float4_e2m1fn",
 )  # fmt: skip
 NARROW_DTYPES = [
-    pytest.param(
-        getattr(ml_dtypes, name),
-        id=name,
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=TypeError,
-            reason=f"known open item: aa cannot make a leaf of dtype {name}, which JAX takes "
-            "(aa.empty's HostBuffer has no such dtype)",
-        ),
-    )
+    pytest.param(getattr(ml_dtypes, name), id=name)
     for name in NARROW
     if hasattr(ml_dtypes, name) and hasattr(jnp, name)
 ]
