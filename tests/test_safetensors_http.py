@@ -508,16 +508,32 @@ def test_an_index_naming_a_tensor_its_file_lacks(weights, tmp_path):
         aa.load_safetensors(tmp_path / "model.safetensors.index.json")
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
-def test_https_with_a_self_signed_certificate(tmp_path, weights, monkeypatch):
+def self_signed(tmp_path, *extensions):
+    """A certificate and key made as ``openssl req -x509`` makes them, with
+    ``extensions`` (``-addext`` values) added."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    added = [arg for ext in extensions for arg in ("-addext", ext)]
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
-         "-addext", "basicConstraints=critical,CA:FALSE",
-         "-keyout", str(key), "-out", str(cert)],
+         "-subj", "/CN=localhost", *added, "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@pytest.mark.parametrize(
+    "extensions",
+    [
+        # What a plain `openssl req -x509` makes: a CA certificate (CA:TRUE),
+        # which Python's ssl and curl accept as a trusted server's own.
+        ("subjectAltName=DNS:localhost",),
+        ("subjectAltName=DNS:localhost", "basicConstraints=critical,CA:FALSE"),
+    ],
+    ids=["CA:TRUE", "CA:FALSE"],
+)
+def test_https_with_a_self_signed_certificate(tmp_path, weights, monkeypatch, extensions):
+    cert, key = self_signed(tmp_path, *extensions)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     srv = FaultServer(tmp_path, tls_context=context)
@@ -529,6 +545,20 @@ def test_https_with_a_self_signed_certificate(tmp_path, weights, monkeypatch):
             aa.load_safetensors(url, timeout=30, retries=0)
         monkeypatch.setenv("SSL_CERT_FILE", str(cert))
         check(aa.materialize(aa.load_safetensors(url, timeout=30), timeout=60), weights)
+    finally:
+        srv.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_a_trusted_self_signed_certificate_for_another_host_is_refused(tmp_path, monkeypatch):
+    cert, key = self_signed(tmp_path, "subjectAltName=DNS:elsewhere.example")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    srv = FaultServer(tmp_path, tls_context=context)
+    try:
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        with pytest.raises(OSError, match=r"header .*certificate"):
+            aa.load_safetensors(srv.url("model.safetensors"), timeout=30, retries=0)
     finally:
         srv.close()
 

@@ -80,7 +80,9 @@ def load_safetensors(
         ``model.safetensors.index.json`` (a name ending in ``.json``) whose
         ``weight_map`` names the files (beside the index) that hold each
         tensor. HTTPS trusts Mozilla's roots, or the PEM certificates of
-        ``$SSL_CERT_FILE`` when set. The server must answer Range requests
+        ``$SSL_CERT_FILE`` when set (one of them may be the server's own,
+        a CA certificate too, as ``openssl req -x509`` makes: its host name
+        is checked, as Python's ``ssl`` does). The server must answer Range requests
         (206 Partial Content).
       like: None, or the tensors to load and what they must be: a flat dict
         ``{name: spec}`` or a nested dict whose key paths joined with ``"."``

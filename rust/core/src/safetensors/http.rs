@@ -4,6 +4,7 @@
 //!
 //! Plain Rust. Every error names the URL and the byte range.
 
+use super::tls::{Roots, TlsConnector};
 use super::{header_len, parse_header_and_metadata, Metadata, TensorInfo, FIRST_READ};
 use crate::error::Error;
 use crate::sync::{lock, wait_once};
@@ -11,6 +12,8 @@ use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
+use ureq::unversioned::resolver::DefaultResolver;
+use ureq::unversioned::transport::{ConnectProxyConnector, Connector, TcpConnector};
 
 /// Requests in flight at once to one server (scheme, host and port), whatever
 /// file of this process they read, and idle keep-alive connections kept per
@@ -176,21 +179,21 @@ impl Drop for Slot<'_> {
 
 /// Root certificates to trust: `$SSL_CERT_FILE` (PEM) when set, as OpenSSL
 /// and Python's `ssl` read it; else Mozilla's (webpki-roots).
-fn root_certs() -> Result<ureq::tls::RootCerts, Error> {
+fn root_certs() -> Result<Roots, Error> {
     let Some(path) = std::env::var_os("SSL_CERT_FILE") else {
-        return Ok(ureq::tls::RootCerts::WebPki);
+        return Ok(Roots::Mozilla);
     };
     let pem = std::fs::read(&path)
         .map_err(|e| Error::Io(format!("SSL_CERT_FILE={}: {e}", path.to_string_lossy())))?;
     let certs = ureq::tls::parse_pem(&pem)
         .filter_map(|item| match item {
-            Ok(ureq::tls::PemItem::Certificate(c)) => Some(Ok(c)),
+            Ok(ureq::tls::PemItem::Certificate(c)) => Some(Ok(c.der().to_vec().into())),
             Ok(_) => None,
             Err(e) => Some(Err(e)),
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| Error::Io(format!("SSL_CERT_FILE={}: {e}", path.to_string_lossy())))?;
-    Ok(ureq::tls::RootCerts::new_with_certs(&certs))
+    Ok(Roots::User(certs))
 }
 
 /// The process's one agent, so that its idle connections (at most
@@ -213,16 +216,19 @@ fn shared_agent() -> Result<ureq::Agent, Error> {
             return Ok(agent.clone());
         }
     }
-    let tls = ureq::tls::TlsConfig::builder()
-        .root_certs(root_certs()?)
-        .build();
-    let agent: ureq::Agent = ureq::Agent::config_builder()
+    let tls = TlsConnector::new(root_certs()?)
+        .map_err(|e| Error::Io(format!("TLS could not be set up: {e}")))?;
+    let config = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .max_idle_connections_per_host(POOL_CONNECTIONS)
         .max_idle_connections(4 * POOL_CONNECTIONS)
-        .tls_config(tls)
-        .build()
-        .into();
+        .build();
+    // ureq's own chain (CONNECT proxies, TCP) with our TLS in place of its own.
+    let connector =
+        ().chain(ConnectProxyConnector::default())
+            .chain(TcpConnector::default())
+            .chain(tls);
+    let agent = ureq::Agent::with_parts(config, connector, DefaultResolver::default());
     *held = Some((certs, pid, agent.clone()));
     lock(&AGENTS_MADE).push((pid, agent.clone()));
     Ok(agent)

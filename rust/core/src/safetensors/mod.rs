@@ -12,6 +12,7 @@ pub mod convert;
 pub mod http;
 pub mod local;
 pub mod plan;
+pub mod tls;
 
 use serde_json::Value;
 use std::sync::atomic::{AtomicU64, Ordering};
