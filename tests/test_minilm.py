@@ -152,7 +152,9 @@ def _fails_where_used(
         EMBED(params, **BATCH)
     message = str(info.value)
     start, end = RANGES[victim]
-    assert message.startswith(f'{server.url}: tensor "{victim}" (bytes [{start}, {end})): ')
+    assert message.startswith(
+        f'load_safetensors: {server.url}: tensor "{victim}" (bytes [{start}, {end})): '
+    )
     for text in expected:
         assert text in message
     # The note names the leaf load_safetensors made: the flat tensor name.

@@ -381,8 +381,8 @@ def test_a_failed_shared_request_names_each_leafs_own_tensor(server, weights, tm
             tree[name].result(timeout=30)
         message = str(info.value)
         assert message.startswith(
-            f'{server.url("model.safetensors")}: tensor "{name}" (bytes [{begin}, {end})): '
-            "HTTP 503 (server error)"
+            f"load_safetensors: {server.url('model.safetensors')}: "
+            f'tensor "{name}" (bytes [{begin}, {end})): HTTP 503 (server error)'
         ), message
         others = [o for o in like if o != name]
         assert not any(o in message for o in others), message

@@ -13,11 +13,12 @@ from numpy.typing import DTypeLike
 from .. import _handoff
 from .._convert import convert_one
 from .._core import CONVERTED_WHILE_READING
-from .._errors import shallow_copy
+from .._errors import reworded, shallow_copy
 from .._per_shard import index_text, shard_host
 from .._runtime import jax_work
 from .._spec import LeafSpecs, numpy_dtype
 from ._plan import RELEASED, Job, Load, Read
+from ._sources import NAME
 
 
 def read_job(load: Load, job: Job, linked: threading.Event) -> None:
@@ -51,7 +52,8 @@ def read_job(load: Load, job: Job, linked: threading.Event) -> None:
             at += count
             failed = next((x for x in mine if isinstance(x, BaseException)), None)
             if failed is not None:
-                done.append((r.leaf, failed))
+                # The core names the source, tensor and bytes; the call goes first.
+                done.append((r.leaf, reworded(failed, f"{NAME}: ")))
                 continue
             with jax_work, specs.context:
                 done.append((r.leaf, to_jax(specs, r, mine)))
