@@ -148,9 +148,12 @@ class SafetensorsFile:
     def tensors(self) -> list[TensorInfo]: ...
     @property
     def metadata(self) -> list[tuple[str, str]]: ...
-    # Per (tensor, dtype, bounds or None): its HostBuffer, or the exception it failed with.
+    # Per (tensor, dtype, bounds or None): its HostBuffer, or the exception it failed with;
+    # with futures (one a want), a want whose future has finished is not read.
     def read(
-        self, wants: list[tuple[int, DTypeLike, list[tuple[int, int]] | None]]
+        self,
+        wants: list[tuple[int, DTypeLike, list[tuple[int, int]] | None]],
+        futures: list[Future] | None = None,
     ) -> list[HostBuffer | BaseException]: ...
 
 @final

@@ -37,14 +37,16 @@ def read_job(load: Load, job: Job, linked: threading.Event) -> None:
         # leave the request, which is not sent when nothing is left.
         reads = [r for r in reads if not futures[r.leaf].done()]
         wants: list[tuple[int, DTypeLike, list[tuple[int, int]] | None]] = []
+        owners = []  # each want's leaf future: one cancelled meanwhile is not read
         for r in reads:
             dtype = read_dtype(r.np_name, specs.avals[r.leaf].dtype)
             if r.bounds is None:
                 wants.append((r.t, dtype, None))
             else:
                 wants.extend((r.t, dtype, b) for b in r.bounds)
-        results = file.read(wants) if wants else []
-        del wants
+            owners.extend([futures[r.leaf]] * (len(wants) - len(owners)))
+        results = file.read(wants, owners) if wants else []
+        del wants, owners
         at = 0
         for r in reads:
             count = 1 if r.bounds is None else len(r.bounds)

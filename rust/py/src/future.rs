@@ -73,6 +73,11 @@ impl From<CoreFuture> for PyFuture {
 }
 
 impl PyFuture {
+    /// The core future it wraps.
+    pub fn core(&self) -> &CoreFuture {
+        &self.inner
+    }
+
     fn timed_wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         if self.inner.is_finished() {
             return Ok(true);

@@ -3,10 +3,11 @@
 //! `HostBuffer`s. What `async_array.load_safetensors` drives from Python.
 
 use crate::error::Error;
+use crate::future::PyFuture;
 use crate::host_buffer::HostBuffer;
 use async_array_core::safetensors::http::{Http, RemoteFile};
 use async_array_core::safetensors::local::LocalFile;
-use async_array_core::safetensors::plan::Plan;
+use async_array_core::safetensors::plan::{Plan, Wanted};
 use async_array_core::safetensors::{Dtype, TensorInfo as CoreTensorInfo};
 use async_array_core::time::timeout_from_secs;
 use pyo3::prelude::*;
@@ -164,9 +165,13 @@ impl SafetensorsFile {
     /// Reads tensors or blocks of them into new 64-byte-aligned
     /// `HostBuffer`s, without the GIL. Each item of `wants` is
     /// `(tensor, dtype, bounds)`: `tensor` a position in `tensors`, `dtype`
-    /// the numpy dtype of the buffer (of the tensor's itemsize), `bounds`
-    /// None for the whole tensor or a `(start, stop)` per axis for a block
-    /// (a shard). Returns, per item, its `HostBuffer` (of the block's shape)
+    /// the numpy dtype of the buffer (the tensor's, of its itemsize, or
+    /// another of float16, bfloat16, float32, float64 when the tensor is one
+    /// of them: converted as it is read), `bounds` None for the whole tensor
+    /// or a `(start, stop)` per axis for a block (a shard). `futures`, if
+    /// given, has one `Future` a want: a want whose future has finished is
+    /// not read (over HTTP, a request for finished wants only is not sent,
+    /// or dropped while its body arrives). Returns, per item, its `HostBuffer` (of the block's shape)
     /// or the exception that item failed with, naming the file, the tensor,
     /// the block and its bytes: one item's failure fails no other item that
     /// was not in the same request.
@@ -174,7 +179,13 @@ impl SafetensorsFile {
     /// From a file, exactly the blocks' bytes are read (`preadv`, straight
     /// into each buffer); over HTTP, blocks at most 64 KiB apart share one
     /// range request.
-    fn read(&self, py: Python<'_>, wants: Vec<Want<'_>>) -> PyResult<Vec<Py<PyAny>>> {
+    #[pyo3(signature = (wants, futures=None))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        wants: Vec<Want<'_>>,
+        futures: Option<Vec<PyRef<'_, PyFuture>>>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
         let tensors = self.tensor_list();
         let mut plan = Plan::default();
         for (tensor, dtype, bounds) in &wants {
@@ -184,6 +195,18 @@ impl SafetensorsFile {
             let to = Dtype::from_numpy_name(&name);
             plan.add(tensors, *tensor, bounds.as_deref(), to)
                 .map_err(Error)?;
+        }
+        // With `futures` (one a want), a want whose future has finished
+        // (its leaf was cancelled) is not read: over HTTP a request whose
+        // every want finished is not sent, or is dropped once in flight.
+        if let Some(futures) = futures {
+            plan.wanted = futures
+                .iter()
+                .map(|f| {
+                    let f = f.core().clone();
+                    Some(Wanted(Box::new(move || !f.is_finished())))
+                })
+                .collect();
         }
         plan.sort();
         let results = py.detach(|| match &self.file {
@@ -222,7 +245,10 @@ pub fn read_url_prefix(
         let mut out = Vec::new();
         let end = max_bytes.max(1);
         let total = http
-            .read_range(&url, 0, end, true, None, &mut |b| out.extend_from_slice(b))
+            .read_range(&url, 0, end, true, None, &mut |b| {
+                out.extend_from_slice(b);
+                true
+            })
             .map_err(|f| f.at(&format!("{url}: bytes [0, {end})")))?
             .total;
         Ok((out, total))

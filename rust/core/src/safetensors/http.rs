@@ -49,6 +49,9 @@ fn abandoned() -> bool {
 
 const ABANDONED_TEXT: &str = "abandoned at interpreter exit";
 
+/// Why a request stopped before its end when its reader wanted no more.
+const DROPPED_TEXT: &str = "dropped: every leaf it was read for was cancelled";
+
 /// First wait before a retry; doubled at each retry, at most [`MAX_BACKOFF`].
 pub const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 /// The longest pause between two retries.
@@ -250,7 +253,8 @@ impl Http {
         })
     }
 
-    /// Reads bytes `[start, end)` of `url`, passing them in order to `sink`,
+    /// Reads bytes `[start, end)` of `url`, passing them in order to `sink`
+    /// (which returns false once it wants no more: the request is dropped),
     /// once fewer than [`POOL_CONNECTIONS`] requests to its server are in flight (all files of this process),
     /// retrying connection errors, a connection lost mid-body (the next
     /// attempt asks only for the bytes not yet received) and 5xx, with
@@ -270,7 +274,7 @@ impl Http {
         end: u64,
         upto: bool,
         expect: Option<&Version>,
-        sink: &mut dyn FnMut(&[u8]),
+        sink: &mut dyn FnMut(&[u8]) -> bool,
     ) -> Result<Version, Failure> {
         if end <= start {
             return Err(Failure::invalid("an empty range cannot be requested"));
@@ -349,7 +353,7 @@ impl Http {
         expect: Option<&Version>,
         deadline: Option<Instant>,
         got: &mut u64,
-        sink: &mut dyn FnMut(&[u8]),
+        sink: &mut dyn FnMut(&[u8]) -> bool,
     ) -> Result<Version, Attempt> {
         let timed_out = || {
             Attempt::Fatal(Failure::deadline(format!(
@@ -520,9 +524,13 @@ impl Http {
             match reader.read(&mut chunk[..want]) {
                 Ok(0) => return Err(cut(*got, String::new(), None)),
                 Ok(n) => {
-                    sink(&chunk[..n]);
                     here += n as u64;
                     *got += n as u64;
+                    if !sink(&chunk[..n]) && here < end - start {
+                        // Nobody wants the rest (its leaves were cancelled):
+                        // dropping the response closes the connection.
+                        return Err(Attempt::Fatal(Failure::io(DROPPED_TEXT.into())));
+                    }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Err(timed_out()),
@@ -678,7 +686,8 @@ impl RemoteFile {
         let mut first = Vec::new();
         let version = http
             .read_range(url, 0, FIRST_READ, true, None, &mut |b| {
-                first.extend_from_slice(b)
+                first.extend_from_slice(b);
+                true
             })
             .map_err(|f| f.at(&format!("{url}: header (bytes [0, {FIRST_READ}))")))?;
         let len = version.total;
@@ -688,7 +697,8 @@ impl RemoteFile {
         } else {
             let mut rest = Vec::with_capacity(n as usize);
             http.read_range(url, 8, 8 + n, false, Some(&version), &mut |b| {
-                rest.extend_from_slice(b)
+                rest.extend_from_slice(b);
+                true
             })
             .map_err(|f| f.at(&format!("{url}: header (bytes [8, {}))", 8 + n)))?;
             rest

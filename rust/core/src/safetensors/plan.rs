@@ -79,6 +79,19 @@ pub struct Plan {
     pub outputs: Vec<Output>,
     /// Every piece, in file order.
     pub pieces: Vec<Piece>,
+    /// Per output, whether it is still wanted (false once its leaf was
+    /// cancelled); an output without one always is.
+    pub wanted: Vec<Option<Wanted>>,
+}
+
+/// Asks whether an output is still wanted; called without any lock held,
+/// between chunks of a read.
+pub struct Wanted(pub Box<dyn Fn() -> bool + Send + Sync>);
+
+impl std::fmt::Debug for Wanted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Wanted(..)")
+    }
 }
 
 fn block_label(shape: &[u64], bounds: &[(u64, u64)]) -> String {
@@ -230,6 +243,16 @@ impl Plan {
             label: block_label(&t.shape, bounds),
         });
         Ok(())
+    }
+
+    /// Whether output `out` is still to be read: not failed and still wanted.
+    fn to_read(&self, out: usize, results: &[Result<AlignedBuf, Error>]) -> bool {
+        results[out].is_ok()
+            && self
+                .wanted
+                .get(out)
+                .and_then(Option::as_ref)
+                .is_none_or(|w| (w.0)())
     }
 
     /// Puts the pieces in file order (once, after the last `add`).
@@ -504,8 +527,8 @@ impl Plan {
             }
             let group = &self.pieces[i..j];
             i = j;
-            if group.iter().all(|p| results[p.out].is_err()) {
-                continue;
+            if !group.iter().any(|p| self.to_read(p.out, &results)) {
+                continue; // failed or cancelled, all of them: no request
             }
             let start = group[0].src;
             let mut pos = start;
@@ -560,6 +583,9 @@ impl Plan {
                             k += 1;
                         }
                     }
+                    // Go on while a piece still to come is wanted (or the
+                    // body is complete: nothing is left to drop).
+                    k >= group.len() || group[k..].iter().any(|p| self.to_read(p.out, &results))
                 },
             );
             if let Err(failure) = read {
