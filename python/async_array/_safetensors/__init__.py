@@ -78,7 +78,11 @@ def load_safetensors(
         ``weight_map`` names the files (beside the index) that hold each
         tensor. HTTPS trusts Mozilla's roots, or the PEM certificates of
         ``$SSL_CERT_FILE`` when set. The server must answer Range requests
-        (206 Partial Content).
+        (206 Partial Content). Redirects (301, 302, 303, 307, 308) are
+        followed, at most 10 (an 11th, or a loop, fails naming the URL);
+        the location they lead to serves the file's later reads (the header's
+        second read, every tensor's), and a 403, 404 or 410 from there sends
+        that read back to the URL once (an expired signed URL).
       like: None, or the tensors to load and what they must be: a flat dict
         ``{name: spec}`` or a nested dict whose key paths joined with ``"."``
         are the names (as flax's ``unflatten_dict(sep=".")`` makes them); each

@@ -353,9 +353,12 @@ impl Plan {
             let mut end = self.pieces[i].src + self.pieces[i].len;
             // (A piece that overlaps the request so far, the same tensor asked
             // for twice, starts a request of its own.)
+            // A server that ignores Range sends the file from its first byte
+            // at every request: one request then reads every piece.
+            let gap = if file.ranged() { HTTP_GAP } else { u64::MAX };
             while j < self.pieces.len()
                 && self.pieces[j].src >= end
-                && self.pieces[j].src <= end + HTTP_GAP
+                && self.pieces[j].src.saturating_sub(end) <= gap
             {
                 end = end.max(self.pieces[j].src + self.pieces[j].len);
                 j += 1;
@@ -369,7 +372,7 @@ impl Plan {
             let mut pos = start;
             let mut k = 0;
             let read = file.http.read_range(
-                &file.url,
+                &file.target,
                 start,
                 end,
                 false,
@@ -405,7 +408,7 @@ impl Plan {
                 },
             );
             if let Err(failure) = read {
-                self.fail_group(&file.url, &file.tensors, group, &failure, &mut results);
+                self.fail_group(&file.name, &file.tensors, group, &failure, &mut results);
             }
         }
         results
