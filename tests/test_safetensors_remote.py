@@ -139,3 +139,172 @@ def test_a_location_that_refuses_again_after_the_url_was_asked_fails_naming_the_
     assert str(info.value).startswith(f'{url}: tensor "a" (bytes ['), info.value
     assert f"HTTP {refusal}" in str(info.value)
     assert origin.paths() == ["/model.safetensors"] * 2  # asked again once, not more
+
+
+# -- headers= and credentials= -----------------------------------------------------------
+
+SECRET = "s3cr3t-t0ken-value"
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = FaultServer(tmp_path)
+    yield srv
+    srv.close()
+
+
+def test_headers_go_with_every_request_to_the_sources_server(model, server):
+    headers = {"X-Key": "k1", "Authorization": f"Bearer {SECRET}"}
+    url = server.url("model.safetensors")
+    assert list(aa.safetensors_header(url, headers=headers).specs) == list(SHAPES)
+    check(aa.load_safetensors(url, headers=headers, timeout=30), model)
+    with server.lock:
+        seen = list(server.headers)
+    assert len(seen) == 6  # the header twice, then a tensor a request
+    for h in seen:
+        assert (h["x-key"], h["authorization"]) == ("k1", f"Bearer {SECRET}")
+
+
+def test_headers_follow_a_redirect_on_the_same_server_only(model, cdn, server, servers):
+    server.redirect = {"/moved.safetensors": "/model.safetensors"}
+    headers = {"Authorization": f"Bearer {SECRET}"}
+    check(aa.load_safetensors(server.url("moved.safetensors"), headers=headers), model)
+    with server.lock:
+        assert all(h["authorization"] == f"Bearer {SECRET}" for h in server.headers)
+    origin = servers(Redirector, to(cdn))  # 127.0.0.1 -> 127.0.0.2
+    check(aa.load_safetensors(origin.url("model.safetensors"), headers=headers), model)
+    assert [h["authorization"] for _, h in origin.requests] == [f"Bearer {SECRET}"]
+    with cdn.lock:
+        assert len(cdn.headers) == 5
+        assert not any("authorization" in h for h in cdn.headers)
+
+
+def test_credentials_are_asked_again_once_after_a_401(model, server):
+    server.auth = "Bearer fresh"
+    tokens = iter(["stale", "fresh"])
+    asked = []
+
+    def credentials(url):
+        asked.append(url)
+        return {"Authorization": f"Bearer {next(tokens)}"}
+
+    url = server.url("model.safetensors")
+    headers = {"Authorization": "Bearer fixed", "X-Key": "k1"}
+    tree = aa.load_safetensors(url, headers=headers, credentials=credentials, timeout=30)
+    check(tree, model)
+    assert asked == [url, url]  # before the first request, and after its 401
+    with server.lock:
+        seen = [(h["authorization"], h["x-key"]) for h in server.headers]
+    # The stale token's 401, then the fresh one overriding headers=, for every read.
+    assert seen == [("Bearer stale", "k1")] + [("Bearer fresh", "k1")] * 5
+
+
+def test_a_second_refusal_after_the_refresh_stands_naming_the_url(model, server):
+    server.auth = "Bearer never"
+    asked = []
+
+    def credentials(url):
+        asked.append(url)
+        return {"Authorization": f"Bearer {SECRET}"}
+
+    url = server.url("model.safetensors")
+    with pytest.raises(PermissionError) as info:
+        aa.load_safetensors(url, credentials=credentials, timeout=30)
+    assert str(info.value) == (
+        f"load_safetensors: {url}: header (bytes [0, 65536)): HTTP 401 (unauthorized: "
+        "credentials missing or refused)"
+    )
+    assert asked == [url, url]
+
+
+def test_an_exception_of_credentials_fails_the_load_naming_it(model, server):
+    def credentials(url):
+        raise RuntimeError("no token today")
+
+    url = server.url("model.safetensors")
+    with pytest.raises(OSError) as info:
+        aa.load_safetensors(url, credentials=credentials, timeout=30)
+    assert str(info.value) == (
+        f"load_safetensors: {url}: header (bytes [0, 65536)): credentials({url!r}) raised "
+        "RuntimeError: no token today"
+    ).replace(f"({url!r})", f'("{url}")')
+    with server.lock:
+        assert server.requests == []  # no request without its credentials
+
+
+@pytest.mark.parametrize(
+    ("headers", "error", "message"),
+    [
+        ([("X-Key", SECRET)], TypeError, "headers must be a dict of str to str, got list"),
+        ({"X-Key": 7}, TypeError, "got a value of type int for 'X-Key'"),
+        ({7: SECRET}, TypeError, "got a key of type int"),
+        ({"X Key": SECRET}, ValueError, "headers: 'X Key' is not a valid header name"),
+        ({"Range": "bytes=0-1"}, ValueError, "'Range' is set by the loader itself"),
+        ({"X-Key": f"a\r\nX-Other: {SECRET}"}, ValueError, "value of 'X-Key' holds a line break"),
+    ],
+)
+@pytest.mark.parametrize("function", ["load_safetensors", "safetensors_header"])
+def test_bad_headers_are_refused_at_the_call_without_their_values(
+    server, headers, error, message, function
+):
+    with pytest.raises(error) as info:
+        getattr(aa, function)(server.url("model.safetensors"), headers=headers)
+    text = str(info.value)
+    assert text.startswith(f"{function}: headers") and message in text, text
+    assert SECRET not in text
+    with server.lock:
+        assert server.requests == []
+
+
+@pytest.mark.parametrize("function", ["load_safetensors", "safetensors_header"])
+def test_credentials_must_be_callable(server, function):
+    with pytest.raises(TypeError) as info:
+        getattr(aa, function)(server.url("model.safetensors"), credentials=SECRET)
+    assert str(info.value) == (
+        f"{function}: credentials must be a callable credentials(url) -> dict[str, str], "
+        "or None, got str"
+    )
+
+
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        (SECRET, "it must be a dict of str to str, got str"),
+        ({"Authorization": 7}, "got a value of type int for 'Authorization'"),
+        ({"Authorization": f"Bearer {SECRET}\n"}, "value of 'Authorization' holds a line break"),
+    ],
+)
+def test_what_credentials_return_is_checked_without_showing_it(server, model, returned, message):
+    url = server.url("model.safetensors")
+    with pytest.raises((TypeError, ValueError)) as info:
+        aa.load_safetensors(url, credentials=lambda u: returned, timeout=30)
+    text = str(info.value)
+    assert text.startswith(f"load_safetensors: {url}: header (bytes [0, 65536)): credentials(")
+    assert message in text and SECRET not in text, text
+
+
+def test_no_error_nor_log_shows_a_header_value(model, cdn, server, servers, caplog):
+    """Refusals, a missing file, a redirect loop, failed tensor reads: the
+    token in headers= is in none of their messages, nor in any log record."""
+    headers = {"Authorization": f"Bearer {SECRET}", "X-Key": SECRET}
+    texts = []
+
+    def failure(call):
+        with pytest.raises(Exception) as info:
+            call()
+        texts.append(f"{info.value!r} {info.value} {info.value.__cause__!r}")
+
+    url = server.url("model.safetensors")
+    server.auth = "Bearer other"
+    failure(lambda: aa.load_safetensors(url, headers=headers, timeout=30))
+    server.auth = None
+    failure(lambda: aa.safetensors_header(server.url("nope.safetensors"), headers=headers))
+    loop = servers(Redirector, lambda path, h: (302, path))
+    failure(lambda: aa.load_safetensors(loop.url("m"), headers=headers, timeout=30))
+    server.status = 403
+    like = {"a": jax.ShapeDtypeStruct(SHAPES["a"], np.float32)}
+    tree = aa.load_safetensors(url, like=like, headers=headers, timeout=30)
+    failure(lambda: tree["a"].result(timeout=WAIT))
+    assert len(texts) == 4
+    assert all(SECRET not in text for text in texts), texts
+    assert SECRET not in caplog.text

@@ -31,7 +31,9 @@ class FaultServer:
     ``if_match`` answers 412 to an ``If-Match`` naming another ETag;
     ``retry_after`` a ``Retry-After`` value sent with the ``status_first``
     and ``status`` answers; ``whole_as_200`` answers 200 with the file to a range that
-    covers all of it (as HTTP allows).
+    covers all of it (as HTTP allows); ``auth`` the ``Authorization`` every
+    request must carry (else 401); ``redirect`` maps a path to the Location
+    of a 302 answered to it.
     ``requests`` lists every ``(path, start, end)`` asked for,
     ``client_ports`` the client ports they came from (one a connection), and
     ``headers`` the headers of every request (a dict, names lowercased).
@@ -52,6 +54,8 @@ class FaultServer:
         self.if_match = False
         self.retry_after: str | None = None
         self.whole_as_200 = False
+        self.auth: str | None = None
+        self.redirect: dict[str, str] = {}
         self.gate: threading.Event | None = None
         self.gated = threading.Event()
         self.requests: list[tuple[str, int, int]] = []
@@ -93,6 +97,10 @@ class FaultServer:
         with self.lock:
             self.client_ports.add(h.client_address[1])
             self.headers.append({k.lower(): v for k, v in h.headers.items()})
+        if self.auth is not None and h.headers.get("Authorization") != self.auth:
+            return self.send(h, 401, b"unauthorized")
+        if h.path in self.redirect:
+            return self.send(h, 302, b"", {"Location": self.redirect[h.path]})
         path = self.folder / h.path.lstrip("/")
         match = RANGE.match(h.headers.get("Range", ""))
         if not path.is_file():

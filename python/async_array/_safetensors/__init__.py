@@ -19,6 +19,7 @@ from .._spec import numpy_dtype, timeout_seconds
 from ._plan import Load
 from ._progress import progress_callback
 from ._read import read_job
+from ._remote import Remote, remote_options
 from ._sources import NAME, Header, open_all, source_text, tensor_name
 
 
@@ -32,6 +33,8 @@ def load_safetensors(
     timeout: float | None = None,
     retries: int = 3,
     progress: bool | Callable[[int, int], object] = False,
+    headers: Mapping[str, str] | None = None,
+    credentials: Callable[[str], Mapping[str, str]] | None = None,
 ) -> dict[str, AsyncArray]: ...
 
 
@@ -45,6 +48,8 @@ def load_safetensors(
     timeout: float | None = None,
     retries: int = 3,
     progress: bool | Callable[[int, int], object] = False,
+    headers: Mapping[str, str] | None = None,
+    credentials: Callable[[str], Mapping[str, str]] | None = None,
 ) -> dict[str, Any]: ...
 
 
@@ -57,6 +62,8 @@ def load_safetensors(
     timeout: float | None = None,
     retries: int = 3,
     progress: Any = False,
+    headers: Any = None,
+    credentials: Any = None,
 ) -> dict[str, Any]:
     """Loads the tensors of safetensors files as ``AsyncArray`` leaves.
 
@@ -132,6 +139,19 @@ def load_safetensors(
         time and ``bytes_done`` always growing. ``bytes_total`` counts the
         tensor bytes this process reads (its shards), not the file's size.
 
+      headers: None, or a dict of str to str: headers added to every
+        request for an http(s) source, sent to its URL's server (scheme, host
+        and port) only, never to a redirect target on another (a CDN); files
+        take none. ``Range`` and ``If-Match`` are the loader's own.
+      credentials: None, or a callable ``credentials(url) -> dict[str, str]``
+        of headers for a URL source (``url`` as given, or each file of an
+        index), sent as ``headers`` are and overriding those of the same
+        name; called on a pool thread before the source's first request,
+        and once more after a 401 or 403 (a token refresh) before the
+        request is made again; a second refusal stands. Its exception, or a
+        return that is not a dict of str to str, fails the reads that needed
+        it. No message or log shows a header's value.
+
     Returns:
       A dict of ``AsyncArray`` by tensor name in file order (``like=None``), or
       a tree shaped like ``like``, each leaf committed to its sharding when
@@ -167,6 +187,8 @@ def load_safetensors(
         Python's subclass for it, as ``open()`` and ``socket`` raise them
         (``ConnectionRefusedError``, ``ConnectionResetError``,
         ``IsADirectoryError``, ``PermissionError``).
+      PermissionError: HTTP 401 or 403 (after the one refresh of
+        ``credentials``), naming the URL.
       TimeoutError: a request ran past ``timeout``.
       KeyError: an index names a tensor its file lacks.
       FileNotFoundError: an index names a file that does not exist (the
@@ -199,12 +221,13 @@ def load_safetensors(
     max_bytes_in_flight = _positive_int_or_none(max_bytes_in_flight, "max_bytes_in_flight")
     timeout = timeout_seconds(timeout, NAME, positive=True)
     retries = _retries(retries)
+    remote = remote_options(NAME, timeout, retries, headers, credentials)
     callback = progress_callback(progress)
     name = f"{NAME}({source!r})"
     file_order = like is None
     if like is None:
         # On the pool, waited for here: Ctrl-C interrupts the wait.
-        where = _core.submit(open_all, source, timeout, retries).result()
+        where = _core.submit(open_all, source, remote).result()
         like = _specs(where)
     else:
         where = None
@@ -222,7 +245,7 @@ def load_safetensors(
             load.plan(where, source)
             load.pump()
         else:
-            opener = _core.submit(_open_and_plan, load, source, timeout, retries)
+            opener = _core.submit(_open_and_plan, load, source, remote)
             opener.add_done_callback(lambda f: fail_all_if_failed(f, futures))
         tree = specs.treedef.unflatten(leaves)
         # A pytree's dict comes back sorted by key: give the files' order.
@@ -252,7 +275,12 @@ class SafetensorsHeader(NamedTuple):
 
 
 def safetensors_header(
-    source: str | bytes | os.PathLike[str], *, timeout: float | None = None, retries: int = 3
+    source: str | bytes | os.PathLike[str],
+    *,
+    timeout: float | None = None,
+    retries: int = 3,
+    headers: Mapping[str, str] | None = None,
+    credentials: Callable[[str], Mapping[str, str]] | None = None,
 ) -> SafetensorsHeader:
     """Reads only the headers of a safetensors source (one read of at most
     64 KiB a file, the index followed), validated as ``load_safetensors``
@@ -260,7 +288,8 @@ def safetensors_header(
     to build a ``like`` tree or a sharding from.
 
     Args:
-      source, timeout, retries: as ``load_safetensors`` takes them.
+      source, timeout, retries, headers, credentials: as ``load_safetensors``
+        takes them.
 
     Returns:
       A ``SafetensorsHeader(specs, metadata)``: ``specs`` maps each tensor's
@@ -272,8 +301,10 @@ def safetensors_header(
     Raises:
       As ``load_safetensors`` raises at its call: ``FileNotFoundError``,
       ``OSError``, ``TimeoutError``, ``ValueError`` for a malformed header, and
-      ``TypeError``/``ValueError`` for a bad argument, each starting with
-      ``load_safetensors:`` and naming the source.
+      ``PermissionError`` and ``TypeError``/``ValueError`` for a bad
+      argument, each starting with ``load_safetensors:`` and naming the
+      source (``safetensors_header:`` for a bad ``headers`` or
+      ``credentials``).
 
     Examples:
       >>> import os, tempfile
@@ -288,8 +319,9 @@ def safetensors_header(
     source = source_text(source)
     timeout = timeout_seconds(timeout, NAME, positive=True)
     retries = _retries(retries)
+    remote = remote_options("safetensors_header", timeout, retries, headers, credentials)
     # On the pool, waited for here: Ctrl-C interrupts the wait.
-    where = _core.submit(open_all, source, timeout, retries).result()
+    where = _core.submit(open_all, source, remote).result()
     metadata: dict[str, str] = {}
     seen: set[int] = set()
     for header, _ in where.values():
@@ -343,7 +375,7 @@ def _retries(retries: Any) -> int:
     return int(retries)
 
 
-def _open_and_plan(load: Load, source: str, timeout: float | None, retries: int) -> None:
-    where = open_all(source, timeout, retries, set(load.names))
+def _open_and_plan(load: Load, source: str, remote: Remote) -> None:
+    where = open_all(source, remote, set(load.names))
     load.plan(where, source)
     load.pump()

@@ -14,6 +14,7 @@ from typing import Any
 
 from .. import _core
 from .._errors import reworded
+from ._remote import Remote, core_args
 
 NAME = "load_safetensors"
 MAX_INDEX = 64 << 20
@@ -74,11 +75,11 @@ def is_url(source: str) -> bool:
     return source.startswith(("http://", "https://"))
 
 
-def read_index(source: str, timeout: float | None, retries: int) -> dict[str, str]:
+def read_index(source: str, remote: Remote) -> dict[str, str]:
     """The weight map of a ``model.safetensors.index.json``: tensor name ->
     the path or URL of the file that holds it (resolved against the index)."""
     if is_url(source):
-        data, size = _core.read_url_prefix(source, MAX_INDEX, timeout=timeout, retries=retries)
+        data, size = _core.read_url_prefix(source, MAX_INDEX, **core_args(source, source, remote))
         if size > len(data):
             raise ValueError(
                 f"{NAME}: {source}: an index of {size} bytes is over the {MAX_INDEX} limit"
@@ -142,15 +143,17 @@ class Header:
             self.index[entry.name] = i
 
 
-def open_header(source: str, timeout: float | None, retries: int) -> Header:
+def open_header(source: str, remote: Remote) -> Header:
     try:
-        return Header(_core.SafetensorsFile(source, timeout=timeout, retries=retries))
+        if is_url(source):
+            return Header(_core.SafetensorsFile(source, **core_args(source, source, remote)))
+        return Header(_core.SafetensorsFile(source))
     except FileNotFoundError as exc:
         if not is_url(source):
             # As open() raises it: errno and filename set, for code that reads them.
             raise FileNotFoundError(errno.ENOENT, f"{NAME}: no such file", source) from None
         raise FileNotFoundError(f"{NAME}: {exc}") from None
-    except (OSError, ValueError) as exc:  # TimeoutError is an OSError
+    except (OSError, ValueError, TypeError) as exc:  # TimeoutError is an OSError
         # The core's message names the file and bytes; this names the call
         # (an OS error number stays the exception's: ConnectionRefusedError...).
         raise reworded(exc, f"{NAME}: ") from None
@@ -165,7 +168,7 @@ def is_index(source: str) -> bool:
 
 
 def open_all(
-    source: str, timeout: float | None, retries: int, wanted: set[str] | None = None
+    source: str, remote: Remote, wanted: set[str] | None = None
 ) -> dict[str, tuple[Header, int]]:
     """Every tensor name -> (its file's header, its index there), for one
     file or an index of several (their headers read concurrently, on the pool).
@@ -173,13 +176,13 @@ def open_all(
     none of them are not opened: a missing or unread file of tensors nobody
     asked for fails nothing."""
     if not is_index(source):
-        header = open_header(source, timeout, retries)
+        header = open_header(source, remote)
         return {name: (header, t) for name, t in header.index.items()}
-    full_map = weight_map = read_index(source, timeout, retries)
+    full_map = weight_map = read_index(source, remote)
     if wanted is not None:
         weight_map = {name: file for name, file in weight_map.items() if name in wanted}
     files = list(dict.fromkeys(weight_map.values()))
-    opening = [_core.submit(open_header, f, timeout, retries) for f in files]
+    opening = [_core.submit(open_header, f, remote) for f in files]
     headers = {}
     for file, fut in zip(files, opening, strict=True):
         try:

@@ -329,6 +329,7 @@ impl Target {
                     state.auth = Some(fresh);
                     state.generation += 1;
                 }
+                drop(state);
                 return self.headers();
             }
         };
@@ -547,7 +548,7 @@ impl Http {
                     request = request.header(name, value);
                 }
             }
-            let response = match request.config().timeout_global(left).build().call() {
+            let mut response = match request.config().timeout_global(left).build().call() {
                 Ok(r) => r,
                 Err(ureq::Error::Timeout(_)) => return Err(self.timed_out()),
                 // A certificate refused (rustls errors come as InvalidData): no retry helps.
@@ -570,6 +571,7 @@ impl Http {
             if !matches!(status, 301 | 302 | 303 | 307 | 308) {
                 return Ok((response, url.into()));
             }
+            drain(&mut response);
             let location = response
                 .headers()
                 .get("location")
@@ -682,7 +684,10 @@ impl Http {
                     after,
                 });
             }
-            401 | 403 | 404 | 410 => return Err(Attempt::Refused { status, generation }),
+            401 | 403 | 404 | 410 => {
+                drain(&mut response);
+                return Err(Attempt::Refused { status, generation });
+            }
             500..=599 => return Err(retry(format!("HTTP {status} (server error)"), None)),
             412 => {
                 return Err(Attempt::Fatal(Failure::io(changed_text(
@@ -812,6 +817,17 @@ impl Http {
         }
         Ok(version)
     }
+}
+
+/// Reads a short body to its end, so that its connection serves the next
+/// request (a redirect's, a refusal's); a long one is left, and its
+/// connection closed.
+fn drain(response: &mut ureq::http::Response<ureq::Body>) {
+    let _ = response
+        .body_mut()
+        .with_config()
+        .limit(64 * 1024)
+        .read_to_vec();
 }
 
 /// The failure of a read that a server refused with `status`.
