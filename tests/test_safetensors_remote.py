@@ -1,6 +1,11 @@
 """aa.load_safetensors from servers behind redirects: an origin on 127.0.0.1
 that redirects to a CDN on 127.0.0.2 (both started by each test), the final
-location reused by every later read and asked again when it refuses one."""
+location reused by every later read and asked again when it refuses one;
+headers= and credentials= kept to the source's own server; hf:// sources
+read through a fake Hub."""
+
+import json
+import re
 
 import jax
 import numpy as np
@@ -308,3 +313,151 @@ def test_no_error_nor_log_shows_a_header_value(model, cdn, server, servers, capl
     assert len(texts) == 4
     assert all(SECRET not in text for text in texts), texts
     assert SECRET not in caplog.text
+
+
+# -- hf:// sources -----------------------------------------------------------------------
+
+TOKEN = "hf_t0k3n"
+RESOLVE = re.compile(r"/(?:datasets/|spaces/)?[^/]+/[^/]+/resolve/[^/]+/(?P<file>.+)$")
+
+
+class FakeHub:
+    """A Hub on 127.0.0.1 whose ``/resolve/`` URLs redirect to a CDN on
+    127.0.0.2 serving the test's folder (and refusing any Authorization).
+    A repo named ``private`` wants ``Authorization: Bearer {TOKEN}``."""
+
+    def __init__(self, folder):
+        self.cdn = FaultServer(folder, host="127.0.0.2")
+        self.cdn.refuse_auth = True
+        self.folder = folder
+        self.origin = Redirector(self.answer)
+
+    def answer(self, path, headers):
+        match = RESOLVE.match(path)
+        if match is None:
+            return 400, None
+        if "/private/" in path and headers.get("authorization") != f"Bearer {TOKEN}":
+            return 401, None
+        if not (self.folder / match["file"]).is_file():
+            return 404, None
+        return 302, self.cdn.url(match["file"])
+
+    def close(self):
+        self.origin.close()
+        self.cdn.close()
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    srv = FakeHub(tmp_path)
+    monkeypatch.setenv("HF_ENDPOINT", srv.origin.base.rstrip("/"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no token file
+    yield srv
+    srv.close()
+
+
+@pytest.mark.parametrize(
+    ("source", "path"),
+    [
+        ("hf://org/repo/model.safetensors", "/org/repo/resolve/main/model.safetensors"),
+        ("hf://org/repo@v1.0/model.safetensors", "/org/repo/resolve/v1.0/model.safetensors"),
+        (
+            "hf://datasets/org/repo@refs/pr/1/model.safetensors",
+            "/datasets/org/repo/resolve/refs%2Fpr%2F1/model.safetensors",
+        ),
+        (
+            "hf://spaces/org/repo@refs%2Fpr%2F12/model.safetensors",
+            "/spaces/org/repo/resolve/refs%2Fpr%2F12/model.safetensors",
+        ),
+    ],
+)
+def test_an_hf_url_reads_the_endpoints_resolve_url_once_then_the_cdn(model, hub, source, path):
+    check(aa.load_safetensors(source, timeout=30), model)
+    assert hub.origin.paths() == [path]
+    assert len(data_requests(hub.cdn)) == 4
+
+
+def test_the_hub_token_goes_to_the_endpoint_only(model, hub, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    check(aa.load_safetensors("hf://org/private/model.safetensors", timeout=30), model)
+    assert [h.get("authorization") for _, h in hub.origin.requests] == [f"Bearer {TOKEN}"]
+    with hub.cdn.lock:
+        assert len(hub.cdn.headers) == 5  # none refused (400) for an Authorization
+
+
+def test_the_hub_token_is_read_from_hf_home_without_hf_token(model, hub, tmp_path, monkeypatch):
+    (tmp_path / "hf-home").mkdir()
+    (tmp_path / "hf-home" / "token").write_text(f"{TOKEN}\n")
+    specs = aa.safetensors_header("hf://org/private/model.safetensors").specs
+    assert list(specs) == list(SHAPES)
+
+
+def test_credentials_override_the_hub_token(model, hub, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    asked = []
+
+    def credentials(url):
+        asked.append(url)
+        return {"Authorization": f"Bearer {TOKEN}"}
+
+    source = "hf://org/private@v2/model.safetensors"
+    check(aa.load_safetensors(source, credentials=credentials, timeout=30), model)
+    assert asked == [source]  # the URL as given
+
+
+def test_a_private_repo_without_a_token_is_permission_error_naming_the_hf_url(model, hub):
+    source = "hf://org/private/model.safetensors"
+    with pytest.raises(PermissionError) as info:
+        aa.load_safetensors(source, timeout=30)
+    assert str(info.value) == (
+        f"load_safetensors: {source}: header (bytes [0, 65536)): HTTP 401 (unauthorized: "
+        "credentials missing or refused) (a private or gated repo needs a token: set HF_TOKEN, "
+        "or log in with `hf auth login` (it writes $HF_HOME/token))"
+    )
+
+
+def test_a_missing_hub_file_is_file_not_found_naming_the_hf_url(model, hub, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    source = "hf://org/repo@v1/nope.safetensors"
+    with pytest.raises(FileNotFoundError) as info:
+        aa.load_safetensors(source, timeout=30)
+    assert str(info.value) == (
+        f"load_safetensors: {source}: header (bytes [0, 65536)): HTTP 404 (not found)"
+    )
+    assert TOKEN not in str(info.value)
+
+
+def test_an_hf_index_reads_its_files_from_the_same_repo_and_revision(model, hub, tmp_path):
+    weight_map = {"a": "model-1.safetensors", "b": "model-1.safetensors"}
+    weight_map |= {"c": "model-2.safetensors", "d": "model-2.safetensors"}
+    for file in ("model-1.safetensors", "model-2.safetensors"):
+        part = {k: v for k, v in model.items() if weight_map[k] == file}
+        safetensors.numpy.save_file(part, str(tmp_path / file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    tree = aa.load_safetensors("hf://org/repo@refs/pr/3/model.safetensors.index.json")
+    check(tree, model)
+    assert sorted(hub.origin.paths()) == [
+        f"/org/repo/resolve/refs%2Fpr%2F3/{file}"
+        for file in ("model-1.safetensors", "model-2.safetensors", "model.safetensors.index.json")
+    ]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "hf://org",
+        "hf://org/repo",
+        "hf://org/repo/",
+        "hf://org/repo@/model.safetensors",
+        "hf:///x/y",
+    ],
+)
+def test_an_hf_url_that_names_no_file_is_refused_at_the_call(source):
+    with pytest.raises(ValueError) as info:
+        aa.load_safetensors(source)
+    assert str(info.value) == (
+        f"load_safetensors: {source}: not an hf:// URL of a file "
+        "(hf://[datasets/|spaces/]org/repo[@revision]/path/in/repo)"
+    )

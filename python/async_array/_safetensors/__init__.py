@@ -85,7 +85,15 @@ def load_safetensors(
         ``weight_map`` names the files (beside the index) that hold each
         tensor. HTTPS trusts Mozilla's roots, or the PEM certificates of
         ``$SSL_CERT_FILE`` when set. The server must answer Range requests
-        (206 Partial Content). Redirects (301, 302, 303, 307, 308) are
+        (206 Partial Content). Or ``hf://[datasets/|spaces/]org/repo[@revision]/path``,
+        a file (or index) of a Hugging Face repo: read from
+        ``$HF_ENDPOINT`` (default ``https://huggingface.co``)
+        ``/[datasets/|spaces/]org/repo/resolve/{revision}/{path}``
+        (revision default ``main``; ``refs/pr/1`` as one segment), with the
+        token of ``$HF_TOKEN``, else of the file ``$HF_HOME/token``
+        (``~/.cache/huggingface/token``), as ``Authorization: Bearer``
+        unless ``credentials`` or an ``Authorization`` header is given;
+        messages name the ``hf://`` URL. Redirects (301, 302, 303, 307, 308) are
         followed, at most 10 (an 11th, or a loop, fails naming the URL);
         the location they lead to serves the file's later reads (the header's
         second read, every tensor's), and a 403, 404 or 410 from there sends
@@ -166,8 +174,8 @@ def load_safetensors(
       ``OverflowError``).
 
     Raises:
-      FileNotFoundError: no such file, or HTTP 404 (at the call when ``like``
-        is None, else from every leaf).
+      FileNotFoundError: no such file, or HTTP 404 or 410 (at the call when
+        ``like`` is None, else from every leaf).
       ValueError: a malformed header: length beyond the file, not a JSON
         object, a duplicate key, ``__metadata__`` not null nor an object of
         strings, a missing or unknown dtype, offsets out of bounds or not
@@ -188,7 +196,8 @@ def load_safetensors(
         (``ConnectionRefusedError``, ``ConnectionResetError``,
         ``IsADirectoryError``, ``PermissionError``).
       PermissionError: HTTP 401 or 403 (after the one refresh of
-        ``credentials``), naming the URL.
+        ``credentials``), naming the URL (the ``hf://`` URL as given, saying
+        that a private or gated repo needs a token when none was sent).
       TimeoutError: a request ran past ``timeout``.
       KeyError: an index names a tensor its file lacks.
       FileNotFoundError: an index names a file that does not exist (the

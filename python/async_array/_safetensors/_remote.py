@@ -1,10 +1,13 @@
 """What the requests of a URL source carry: ``headers=`` and
-``credentials=``, checked at the call and handed to the core per source. No
-message here shows a header's value."""
+``credentials=``, checked at the call and handed to the core per source; and
+where an ``hf://`` source is, with the Hub token. No message here shows a
+header's value."""
 
 from __future__ import annotations
 
+import os
 import re
+import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -90,3 +93,99 @@ def core_args(url: str, shown: str, remote: Remote) -> dict[str, Any]:
         "credentials": ask,
         "name": shown,
     }
+
+
+# -- hf:// sources -----------------------------------------------------------------------
+
+HF = "hf://"
+HF_SHAPE = "hf://[datasets/|spaces/]org/repo[@revision]/path/in/repo"
+# A revision with slashes of its own: pull requests' and conversions' refs.
+_REFS = ("refs/pr/", "refs/convert/")
+
+
+class HubFile(NamedTuple):
+    """One file of a Hugging Face repo: ``kind`` ``""``, ``"datasets/"`` or
+    ``"spaces/"``; ``repo`` ``"org/name"``; ``revision`` (decoded); ``path``
+    in the repo."""
+
+    kind: str
+    repo: str
+    revision: str
+    path: str
+
+
+def parse_hf(source: str, name: str) -> HubFile:
+    """``hf://[datasets/|spaces/]org/repo[@revision]/path``; ValueError
+    naming ``source`` when it is not one."""
+    rest = source[len(HF) :]
+    kind = next((k for k in ("datasets/", "spaces/") if rest.startswith(k)), "")
+    rest = rest[len(kind) :]
+    org, _, rest = rest.partition("/")
+    repo, _, rest = rest.partition("/")
+    revision = "main"
+    if "@" in repo:
+        repo, revision = repo.split("@", 1)
+        # refs/pr/1 is one revision: its slashes belong to it, not to the path.
+        ref = f"{revision}/{rest}"
+        for refs in _REFS:
+            if ref.startswith(refs):
+                number, _, rest = ref[len(refs) :].partition("/")
+                revision = refs + number
+                break
+        revision = urllib.parse.unquote(revision)  # refs%2Fpr%2F1 as given, too
+    if not org or not repo or not revision or not rest or rest.endswith("/"):
+        raise ValueError(f"{name}: {source}: not an hf:// URL of a file ({HF_SHAPE})")
+    return HubFile(kind, f"{org}/{repo}", revision, rest)
+
+
+def hf_endpoint() -> str:
+    """``$HF_ENDPOINT``, else the Hub's."""
+    return os.environ.get("HF_ENDPOINT", "").rstrip("/") or "https://huggingface.co"
+
+
+def hf_url(hub: HubFile) -> str:
+    """The endpoint's ``resolve`` URL of ``hub`` (the revision one path
+    segment: ``refs/pr/1`` as ``refs%2Fpr%2F1``)."""
+    revision = urllib.parse.quote(hub.revision, safe="")
+    path = urllib.parse.quote(hub.path)
+    return f"{hf_endpoint()}/{hub.kind}{hub.repo}/resolve/{revision}/{path}"
+
+
+def hf_token() -> str | None:
+    """The Hub token as huggingface_hub finds it: ``$HF_TOKEN``, else the
+    file ``$HF_HOME/token`` (``~/.cache/huggingface/token``); None when
+    neither holds one."""
+    token = os.environ.get("HF_TOKEN", "").strip()
+    if token:
+        return token
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache", "huggingface"
+    )
+    try:
+        with open(os.path.join(home, "token"), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def has_authorization(remote: Remote) -> bool:
+    """Whether the requests carry credentials: an ``Authorization`` header,
+    or ``credentials``."""
+    return remote.credentials is not None or any(
+        name.lower() == "authorization" for name, _ in remote.headers
+    )
+
+
+def resolved(source: str, remote: Remote) -> tuple[str, Remote]:
+    """The URL that ``source`` is read from, and the options of its requests.
+    An ``hf://`` source is its endpoint's ``resolve`` URL, with the Hub token
+    as ``Authorization: Bearer`` unless ``credentials`` or an
+    ``Authorization`` in ``headers`` rule; like every header, it goes to the
+    endpoint's server only, never to the CDN its redirects lead to."""
+    if not source.startswith(HF):
+        return source, remote
+    url = hf_url(parse_hf(source, "load_safetensors"))
+    token = None if has_authorization(remote) else hf_token()
+    if token is None:
+        return url, remote
+    return url, remote._replace(headers=[*remote.headers, ("Authorization", f"Bearer {token}")])

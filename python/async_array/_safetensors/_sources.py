@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import _core
 from .._errors import reworded
-from ._remote import Remote, core_args
+from ._remote import HF, Remote, core_args, has_authorization, parse_hf, resolved
 
 NAME = "load_safetensors"
 MAX_INDEX = 64 << 20
@@ -30,15 +30,18 @@ def source_text(source: Any) -> str:
         if b"\0" in source or len(source) > MAX_PATH:
             # A file's contents passed for its path: say so, not 87 MB of it.
             raise TypeError(
-                f"{NAME}: source must be a path or a file:// or http(s):// URL, got "
+                f"{NAME}: source must be a path or a file://, http(s):// or hf:// URL, got "
                 f"bytes of length {len(source)} that no path has (a file's contents?)"
             )
         source = os.fsdecode(source)  # a path as the OS has it, UTF-8 or not
     if not isinstance(source, str):
         raise TypeError(
-            f"{NAME}: source must be a path or a file:// or http(s):// URL, "
+            f"{NAME}: source must be a path or a file://, http(s):// or hf:// URL, "
             f"got {type(source).__name__}"
         )
+    if source.startswith(HF):
+        parse_hf(source, NAME)  # refused at the call when it names no file
+        return source
     if "://" not in source:
         return regular_or_missing(source)
     try:
@@ -72,20 +75,23 @@ def regular_or_missing(path: str) -> str:
 
 
 def is_url(source: str) -> bool:
-    return source.startswith(("http://", "https://"))
+    return source.startswith(("http://", "https://", HF))
 
 
 def read_index(source: str, remote: Remote) -> dict[str, str]:
     """The weight map of a ``model.safetensors.index.json``: tensor name ->
     the path or URL of the file that holds it (resolved against the index)."""
     if is_url(source):
-        data, size = _core.read_url_prefix(source, MAX_INDEX, **core_args(source, source, remote))
+        url, remote = resolved(source, remote)
+        data, size = _core.read_url_prefix(url, MAX_INDEX, **core_args(url, source, remote))
         if size > len(data):
             raise ValueError(
                 f"{NAME}: {source}: an index of {size} bytes is over the {MAX_INDEX} limit"
             )
         base = source
         join: Callable[[str, str], str] = urllib.parse.urljoin
+        if source.startswith(HF):  # the same repo and revision: beside it in the repo
+            base, join = source.rsplit("/", 1)[0], "{}/{}".format
     else:
         try:
             with open(source, "rb") as f:
@@ -146,13 +152,24 @@ class Header:
 def open_header(source: str, remote: Remote) -> Header:
     try:
         if is_url(source):
-            return Header(_core.SafetensorsFile(source, **core_args(source, source, remote)))
+            url, remote = resolved(source, remote)
+            return Header(_core.SafetensorsFile(url, **core_args(url, source, remote)))
         return Header(_core.SafetensorsFile(source))
     except FileNotFoundError as exc:
         if not is_url(source):
             # As open() raises it: errno and filename set, for code that reads them.
             raise FileNotFoundError(errno.ENOENT, f"{NAME}: no such file", source) from None
         raise FileNotFoundError(f"{NAME}: {exc}") from None
+    except PermissionError as exc:
+        if not is_url(source):  # a file's: errno EACCES, as open() raises it
+            raise reworded(exc, f"{NAME}: ") from None
+        hint = ""
+        if source.startswith(HF) and not has_authorization(remote):
+            hint = (
+                " (a private or gated repo needs a token: set HF_TOKEN, or log in with "
+                "`hf auth login` (it writes $HF_HOME/token))"
+            )
+        raise PermissionError(f"{NAME}: {exc}{hint}") from None
     except (OSError, ValueError, TypeError) as exc:  # TimeoutError is an OSError
         # The core's message names the file and bytes; this names the call
         # (an OS error number stays the exception's: ConnectionRefusedError...).
