@@ -2,10 +2,12 @@
 that redirects to a CDN on 127.0.0.2 (both started by each test), the final
 location reused by every later read and asked again when it refuses one;
 headers= and credentials= kept to the source's own server; hf:// sources
-read through a fake Hub."""
+read through a fake Hub; Python's http.server, which ignores Range."""
 
 import json
 import re
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import jax
 import numpy as np
@@ -461,3 +463,57 @@ def test_an_hf_url_that_names_no_file_is_refused_at_the_call(source):
         f"load_safetensors: {source}: not an hf:// URL of a file "
         "(hf://[datasets/|spaces/]org/repo[@revision]/path/in/repo)"
     )
+
+
+# -- a server that ignores Range ---------------------------------------------------------
+
+
+@pytest.fixture
+def plain_server(tmp_path):
+    """Python's own ``http.server`` (it answers every GET with the whole file,
+    200), counting the GETs."""
+    gets = []
+
+    class Handler(SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(tmp_path), **kwargs)
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            gets.append(self.headers.get("Range"))
+            try:
+                super().do_GET()
+            except OSError:  # the client took what it needed and closed
+                self.close_connection = True
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/", gets
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_http_server_is_read_once_streaming_into_every_tensor(model, plain_server, caplog):
+    base, gets = plain_server
+    url = base + "model.safetensors"
+    check(aa.load_safetensors(url, timeout=30), model)
+    assert len(gets) == 2  # the header's request, then one for every tensor
+    assert gets[0] == "bytes=0-65535"
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and warned[0].startswith(
+        f"load_safetensors: {url}: the server ignores Range requests"
+    ), warned
+
+
+def test_http_server_loads_what_like_names_in_one_request(model, plain_server):
+    base, gets = plain_server
+    like = {k: jax.ShapeDtypeStruct(SHAPES[k], np.float32) for k in ("d", "b")}
+    tree = aa.load_safetensors(base + "model.safetensors", like=like, timeout=30)
+    got = aa.materialize(tree, WAIT)
+    for k in like:
+        np.testing.assert_array_equal(np.asarray(got[k]), model[k])
+    assert len(gets) == 2

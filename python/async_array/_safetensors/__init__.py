@@ -84,8 +84,11 @@ def load_safetensors(
         ``model.safetensors.index.json`` (a name ending in ``.json``) whose
         ``weight_map`` names the files (beside the index) that hold each
         tensor. HTTPS trusts Mozilla's roots, or the PEM certificates of
-        ``$SSL_CERT_FILE`` when set. The server must answer Range requests
-        (206 Partial Content). Or ``hf://[datasets/|spaces/]org/repo[@revision]/path``,
+        ``$SSL_CERT_FILE`` when set. A server should answer Range requests
+        (206 Partial Content); one that ignores them (200 with the whole
+        file, as ``python -m http.server`` does) is read in one request, one
+        pass over the file from its first byte that fills every tensor
+        wanted, after one warning logged (logger ``"async_array"``). Or ``hf://[datasets/|spaces/]org/repo[@revision]/path``,
         a file (or index) of a Hugging Face repo: read from
         ``$HF_ENDPOINT`` (default ``https://huggingface.co``)
         ``/[datasets/|spaces/]org/repo/resolve/{revision}/{path}``
@@ -188,7 +191,8 @@ def load_safetensors(
         another size or modification time for a file.
       OSError: a read failed: 5xx, connection errors or a body cut short
         beyond ``retries``, a wrong ``Content-Range`` or ``Content-Length``, a
-        server that ignores Range, a refused certificate. Each leaf of that
+        server that ignores Range and sends no ``Content-Length``, a refused
+        certificate. Each leaf of that
         read fails with its own error, naming the URL or path, its own tensor
         (and shard) and its own byte range, never a neighbour's. Where the OS
         gave an error number it is the exception's ``errno``, and the type is

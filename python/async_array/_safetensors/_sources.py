@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import stat
 import urllib.parse
@@ -16,6 +17,7 @@ from .. import _core
 from .._errors import reworded
 from ._remote import HF, Remote, core_args, has_authorization, parse_hf, resolved
 
+_LOG = logging.getLogger("async_array")
 NAME = "load_safetensors"
 MAX_INDEX = 64 << 20
 MAX_PATH = 4096  # Linux's PATH_MAX, in bytes
@@ -153,7 +155,16 @@ def open_header(source: str, remote: Remote) -> Header:
     try:
         if is_url(source):
             url, remote = resolved(source, remote)
-            return Header(_core.SafetensorsFile(url, **core_args(url, source, remote)))
+            header = Header(_core.SafetensorsFile(url, **core_args(url, source, remote)))
+            if not header.file.ranged:
+                _LOG.warning(
+                    "%s: %s: the server ignores Range requests (it answered one with the whole "
+                    "file): ranged reads are unavailable, so the tensors wanted are read in one "
+                    "pass over the file from its first byte",
+                    NAME,
+                    source,
+                )
+            return header
         return Header(_core.SafetensorsFile(source))
     except FileNotFoundError as exc:
         if not is_url(source):

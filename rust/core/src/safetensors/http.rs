@@ -665,7 +665,9 @@ impl Http {
             && content_length.is_some_and(|n| n > 0 && n <= end && (upto || n == end));
         match status {
             206 => {}
-            200 if whole => {}
+            // The whole file, from a server that ignores Range: read from
+            // byte 0, the bytes before `start` dropped.
+            200 if content_length.is_some() => {}
             429 | 503 => {
                 let after = response
                     .headers()
@@ -696,8 +698,8 @@ impl Http {
             }
             200 => {
                 return Err(Attempt::Fatal(Failure::io(
-                    "HTTP 200: the server ignored the Range request (it must answer \
-                     206 Partial Content)"
+                    "HTTP 200 without a Content-Length: the server ignored the Range \
+                     request, and the file's size is unknown"
                         .into(),
                 )))
             }
