@@ -30,6 +30,10 @@ class Remote(NamedTuple):
     credentials: Callable[[str], Any] | None
 
 
+class CredentialsError(Exception):
+    """What ``credentials`` raised, named (the core makes it an ``OSError``)."""
+
+
 def checked_headers(value: Any, what: str) -> Headers:
     """``value``, a dict of header name -> value (str), as pairs; TypeError or
     ValueError starting with ``what``, naming a bad header but never showing a
@@ -84,7 +88,12 @@ def core_args(url: str, shown: str, remote: Remote) -> dict[str, Any]:
     if credentials is not None:
 
         def ask(_: str) -> Headers:  # called by the core, on the reading thread
-            return checked_headers(credentials(shown), f"credentials({shown!r}) returned; it")
+            called = f"credentials({shown!r})"
+            try:
+                got = credentials(shown)
+            except Exception as exc:  # the core raises it as OSError, naming the read
+                raise CredentialsError(f"{called} raised {type(exc).__name__}: {exc}") from None
+            return checked_headers(got, f"the result of {called}")
 
     return {
         "timeout": remote.timeout,

@@ -19,8 +19,10 @@ use std::sync::Arc;
 type Headers = Vec<(String, String)>;
 
 /// `credentials=`: a Python callable `(url) -> list of (name, value)`
-/// (`async_array._safetensors` wraps the user's and checks what it returns),
-/// called on the reading thread, attached to the interpreter for the call.
+/// (`async_array._safetensors` wraps the user's, checks what it returns and
+/// words its errors), called on the reading thread, attached to the
+/// interpreter for the call. A TypeError stays one, a ValueError too; any
+/// other exception becomes an OSError with its message.
 struct PyCredentials(Py<PyAny>);
 
 impl Credentials for PyCredentials {
@@ -35,7 +37,8 @@ impl Credentials for PyCredentials {
                     .value(py)
                     .str()
                     .map_or_else(|_| String::new(), |s| s.to_string());
-                let detail = format!("credentials({url:?}) raised {what}: {text}");
+                // The checking wrapper's message names the call and the URL.
+                let detail = if text.is_empty() { what } else { text };
                 if err.is_instance_of::<PyTypeError>(py) {
                     Failure::wrong_type(detail)
                 } else if err.is_instance_of::<PyValueError>(py) {
