@@ -243,7 +243,8 @@ pub trait Credentials: Send + Sync {
 /// another, and the location its redirects last led to, where its later
 /// reads go first.
 pub struct Target {
-    /// The URL as given: where every redirect chain starts.
+    /// The URL as given (normalized: `HTTP://Host` is `http://host/`):
+    /// where every redirect chain starts.
     pub url: String,
     origin: url::Origin,
     headers: Vec<(String, String)>,
@@ -271,7 +272,8 @@ impl Target {
         let parsed = Url::parse(url)
             .map_err(|e| Error::InvalidArgument(format!("{url}: not a valid URL ({e})")))?;
         Ok(Target {
-            url: url.to_owned(),
+            // As the url crate writes it, as every location is compared.
+            url: parsed.as_str().to_owned(),
             origin: parsed.origin(),
             headers,
             credentials,
@@ -1101,6 +1103,11 @@ mod tests {
         assert!(!on("https://host:8000/a/model.safetensors"));
         assert!(!on("http://cdn:8000/a/model.safetensors"));
         assert!(Target::plain("not a url").is_err());
+        // Kept as every location reached is written, so that reaching it is not a move.
+        assert_eq!(
+            Target::plain("HTTP://Origin:80/m").unwrap().url,
+            "http://origin/m"
+        );
     }
 
     #[test]
