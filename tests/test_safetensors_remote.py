@@ -186,8 +186,10 @@ def test_headers_follow_a_redirect_on_the_same_server_only(model, cdn, server, s
         assert not any("authorization" in h for h in cdn.headers)
 
 
-def test_credentials_are_asked_again_once_after_a_401(model, server):
+@pytest.mark.parametrize("refusal", [401, 403])
+def test_credentials_are_asked_again_once_after_a_refusal(model, server, refusal):
     server.auth = "Bearer fresh"
+    server.auth_status = refusal
     tokens = iter(["stale", "fresh"])
     asked = []
 
@@ -199,10 +201,10 @@ def test_credentials_are_asked_again_once_after_a_401(model, server):
     headers = {"Authorization": "Bearer fixed", "X-Key": "k1"}
     tree = aa.load_safetensors(url, headers=headers, credentials=credentials, timeout=30)
     check(tree, model)
-    assert asked == [url, url]  # before the first request, and after its 401
+    assert asked == [url, url]  # before the first request, and after its refusal
     with server.lock:
         seen = [(h["authorization"], h["x-key"]) for h in server.headers]
-    # The stale token's 401, then the fresh one overriding headers=, for every read.
+    # The stale token's refusal, then the fresh one overriding headers=, for every read.
     assert seen == [("Bearer stale", "k1")] + [("Bearer fresh", "k1")] * 5
 
 

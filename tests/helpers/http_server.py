@@ -32,7 +32,7 @@ class FaultServer:
     ``retry_after`` a ``Retry-After`` value sent with the ``status_first``
     and ``status`` answers; ``whole_as_200`` answers 200 with the file to a range that
     covers all of it (as HTTP allows); ``auth`` the ``Authorization`` every
-    request must carry (else 401); ``refuse_auth`` answers 400 to a request
+    request must carry (else ``auth_status``, 401); ``refuse_auth`` answers 400 to a request
     with an ``Authorization`` (a CDN's signed URL takes none); ``redirect``
     maps a path to the Location of a 302 answered to it.
     ``requests`` lists every ``(path, start, end)`` asked for,
@@ -56,6 +56,7 @@ class FaultServer:
         self.retry_after: str | None = None
         self.whole_as_200 = False
         self.auth: str | None = None
+        self.auth_status = 401
         self.refuse_auth = False
         self.redirect: dict[str, str] = {}
         self.gate: threading.Event | None = None
@@ -100,7 +101,7 @@ class FaultServer:
             self.client_ports.add(h.client_address[1])
             self.headers.append({k.lower(): v for k, v in h.headers.items()})
         if self.auth is not None and h.headers.get("Authorization") != self.auth:
-            return self.send(h, 401, b"unauthorized")
+            return self.send(h, self.auth_status, b"unauthorized")
         if self.refuse_auth and "Authorization" in h.headers:
             return self.send(h, 400, b"no Authorization here")
         if h.path in self.redirect:
