@@ -423,6 +423,18 @@ def test_a_private_repo_without_a_token_is_permission_error_naming_the_hf_url(mo
     )
 
 
+def test_a_private_index_without_a_token_says_so_too(hub, tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    source = "hf://org/private/model.safetensors.index.json"
+    with pytest.raises(PermissionError) as info:
+        aa.load_safetensors(source, timeout=30)
+    assert str(info.value) == (
+        f"{source}: bytes [0, 67108864): HTTP 401 (unauthorized: credentials missing or "
+        "refused) (a private or gated repo needs a token: set HF_TOKEN, or log in with "
+        "`hf auth login` (it writes $HF_HOME/token))"
+    )
+
+
 def test_a_missing_hub_file_is_file_not_found_naming_the_hf_url(model, hub, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     source = "hf://org/repo@v1/nope.safetensors"

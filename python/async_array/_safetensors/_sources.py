@@ -1,5 +1,5 @@
-"""Where a load's tensors are: a path, ``file://`` or http(s) URL, or an
-index of several files; their headers opened by the core (errors reworded
+"""Where a load's tensors are: a path, ``file://``, http(s) or ``hf://``
+URL, or an index of several files; their headers opened by the core (errors reworded
 here, naming the call), each tensor's record a ``_core.TensorInfo``."""
 
 from __future__ import annotations
@@ -85,7 +85,10 @@ def read_index(source: str, remote: Remote) -> dict[str, str]:
     the path or URL of the file that holds it (resolved against the index)."""
     if is_url(source):
         url, remote = resolved(source, remote)
-        data, size = _core.read_url_prefix(url, MAX_INDEX, **core_args(url, source, remote))
+        try:
+            data, size = _core.read_url_prefix(url, MAX_INDEX, **core_args(url, source, remote))
+        except PermissionError as exc:
+            raise PermissionError(f"{exc}{token_hint(source, remote)}") from None
         if size > len(data):
             raise ValueError(
                 f"{NAME}: {source}: an index of {size} bytes is over the {MAX_INDEX} limit"
@@ -174,17 +177,21 @@ def open_header(source: str, remote: Remote) -> Header:
     except PermissionError as exc:
         if not is_url(source):  # a file's: errno EACCES, as open() raises it
             raise reworded(exc, f"{NAME}: ") from None
-        hint = ""
-        if source.startswith(HF) and not has_authorization(remote):
-            hint = (
-                " (a private or gated repo needs a token: set HF_TOKEN, or log in with "
-                "`hf auth login` (it writes $HF_HOME/token))"
-            )
-        raise PermissionError(f"{NAME}: {exc}{hint}") from None
+        raise PermissionError(f"{NAME}: {exc}{token_hint(source, remote)}") from None
     except (OSError, ValueError, TypeError) as exc:  # TimeoutError is an OSError
         # The core's message names the file and bytes; this names the call
         # (an OS error number stays the exception's: ConnectionRefusedError...).
         raise reworded(exc, f"{NAME}: ") from None
+
+
+def token_hint(source: str, remote: Remote) -> str:
+    """What a refused ``hf://`` source sent without a token adds to its error."""
+    if not source.startswith(HF) or has_authorization(remote):
+        return ""
+    return (
+        " (a private or gated repo needs a token: set HF_TOKEN, or log in with "
+        "`hf auth login` (it writes $HF_HOME/token))"
+    )
 
 
 def is_index(source: str) -> bool:
