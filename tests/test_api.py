@@ -31,12 +31,15 @@ API = {
     "load_safetensors": (
         "function",
         "(source, *, like=None, dtype=None, sharding=None, max_bytes_in_flight=None, timeout=None,"
-        " retries=3, progress=False)",
+        " retries=3, progress=False, headers=None, credentials=None)",
     ),
     "make_array_from_callback": ("function", "(shape, sharding, data_callback, *, dtype)"),
     "materialize": ("function", "(tree, timeout=None)"),
     "max_workers": ("function", "()"),
-    "safetensors_header": ("function", "(source, *, timeout=None, retries=3)"),
+    "safetensors_header": (
+        "function",
+        "(source, *, timeout=None, retries=3, headers=None, credentials=None)",
+    ),
     "wait": ("function", "(tree, timeout=None, return_when='ALL_COMPLETED')"),
 }
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from conftest import WAIT
+from helpers.http_server import FaultServer
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_safetensors_http import FaultServer
 
 import async_array as aa
 

@@ -135,11 +135,24 @@ class HostBuffer:
 class SafetensorsFile:
     """A safetensors file opened by the core, its header validated."""
 
+    # `headers` go to the URL's server only; `credentials(url)` returns more of them,
+    # called before the first request and once more after a 401 or 403; `name` is how
+    # messages and `source` name the file.
     def __new__(
-        cls, source: str, *, timeout: float | None = None, retries: int = 3
+        cls,
+        source: str,
+        *,
+        timeout: float | None = None,
+        retries: int = 3,
+        headers: list[tuple[str, str]] = ...,
+        credentials: Callable[[str], list[tuple[str, str]]] | None = None,
+        name: str | None = None,
     ) -> SafetensorsFile: ...
     @property
     def source(self) -> str: ...
+    # False for a server that ignores Range: each read streams the file from byte 0.
+    @property
+    def ranged(self) -> bool: ...
     @property
     def size(self) -> int: ...
     @property
@@ -177,7 +190,14 @@ class TensorInfo:
     def end(self) -> int: ...
 
 def read_url_prefix(
-    url: str, max_bytes: int, *, timeout: float | None = None, retries: int = 3
+    url: str,
+    max_bytes: int,
+    *,
+    timeout: float | None = None,
+    retries: int = 3,
+    headers: list[tuple[str, str]] = ...,
+    credentials: Callable[[str], list[tuple[str, str]]] | None = None,
+    name: str | None = None,
 ) -> tuple[bytes, int]: ...
 
 # `label` names the task in WaitCycleError messages: a str, or a callable called with

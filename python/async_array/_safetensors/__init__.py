@@ -19,6 +19,7 @@ from .._spec import numeric_kind, numpy_dtype, timeout_seconds
 from ._plan import Load
 from ._progress import progress_callback
 from ._read import read_job
+from ._remote import Remote, remote_options
 from ._sources import NAME, Header, open_all, source_text, tensor_name
 
 
@@ -33,6 +34,8 @@ def load_safetensors(
     timeout: float | None = None,
     retries: int = 3,
     progress: bool | Callable[[int, int], object] = False,
+    headers: Mapping[str, str] | None = None,
+    credentials: Callable[[str], Mapping[str, str]] | None = None,
 ) -> dict[str, AsyncArray]: ...
 
 
@@ -47,6 +50,8 @@ def load_safetensors(
     timeout: float | None = None,
     retries: int = 3,
     progress: bool | Callable[[int, int], object] = False,
+    headers: Mapping[str, str] | None = None,
+    credentials: Callable[[str], Mapping[str, str]] | None = None,
 ) -> dict[str, Any]: ...
 
 
@@ -60,6 +65,8 @@ def load_safetensors(
     timeout: float | None = None,
     retries: int = 3,
     progress: Any = False,
+    headers: Any = None,
+    credentials: Any = None,
 ) -> dict[str, Any]:
     """Loads the tensors of safetensors files as ``AsyncArray`` leaves.
 
@@ -82,8 +89,23 @@ def load_safetensors(
         tensor. HTTPS trusts Mozilla's roots, or the PEM certificates of
         ``$SSL_CERT_FILE`` when set (one of them may be the server's own,
         a CA certificate too, as ``openssl req -x509`` makes: its host name
-        is checked, as Python's ``ssl`` does). The server must answer Range requests
-        (206 Partial Content).
+        is checked, as Python's ``ssl`` does). A server should answer Range requests
+        (206 Partial Content); one that ignores them (200 with the whole
+        file, as ``python -m http.server`` does) is read in one request, one
+        pass over the file from its first byte that fills every tensor
+        wanted, after one warning logged (logger ``"async_array"``). Or ``hf://[datasets/|spaces/]org/repo[@revision]/path``,
+        a file (or index) of a Hugging Face repo: read from
+        ``$HF_ENDPOINT`` (default ``https://huggingface.co``)
+        ``/[datasets/|spaces/]org/repo/resolve/{revision}/{path}``
+        (revision default ``main``; ``refs/pr/1`` as one segment), with the
+        token of ``$HF_TOKEN``, else of the file ``$HF_HOME/token``
+        (``~/.cache/huggingface/token``), as ``Authorization: Bearer``
+        unless ``credentials`` or an ``Authorization`` header is given;
+        messages name the ``hf://`` URL. Redirects (301, 302, 303, 307, 308) are
+        followed, at most 10 (an 11th, or a loop, fails naming the URL);
+        the location they lead to serves the file's later reads (the header's
+        second read, every tensor's), and a 403, 404 or 410 from there sends
+        that read back to the URL once (an expired signed URL).
       like: None, or the tensors to load and what they must be: a flat dict
         ``{name: spec}`` or a nested dict whose key paths joined with ``"."``
         are the names (as flax's ``unflatten_dict(sep=".")`` makes them); each
@@ -142,6 +164,19 @@ def load_safetensors(
         time and ``bytes_done`` always growing. ``bytes_total`` counts the
         tensor bytes this process reads (its shards), not the file's size.
 
+      headers: None, or a dict of str to str: headers added to every
+        request for an http(s) source, sent to its URL's server (scheme, host
+        and port) only, never to a redirect target on another (a CDN); files
+        take none. ``Range`` and ``If-Match`` are the loader's own.
+      credentials: None, or a callable ``credentials(url) -> dict[str, str]``
+        of headers for a URL source (``url`` as given, or each file of an
+        index), sent as ``headers`` are and overriding those of the same
+        name; called on a pool thread before the source's first request,
+        and once more after a 401 or 403 (a token refresh) before the
+        request is made again; a second refusal stands. Its exception, or a
+        return that is not a dict of str to str, fails the reads that needed
+        it. No message or log shows a header's value.
+
     Returns:
       A dict of ``AsyncArray`` by tensor name in file order (``like=None``), or
       a tree shaped like ``like``, each leaf committed to its sharding when
@@ -156,8 +191,8 @@ def load_safetensors(
       ``OverflowError``).
 
     Raises:
-      FileNotFoundError: no such file, or HTTP 404 (at the call when ``like``
-        is None, else from every leaf).
+      FileNotFoundError: no such file, or HTTP 404 or 410 (at the call when
+        ``like`` is None, else from every leaf).
       ValueError: a malformed header: length beyond the file, not a JSON
         object, a duplicate key, ``__metadata__`` not null nor an object of
         strings, a missing or unknown dtype, offsets out of bounds or not
@@ -170,13 +205,17 @@ def load_safetensors(
         another size or modification time for a file.
       OSError: a read failed: 5xx, connection errors or a body cut short
         beyond ``retries``, a wrong ``Content-Range`` or ``Content-Length``, a
-        server that ignores Range, a refused certificate. Each leaf of that
+        server that ignores Range and sends no ``Content-Length``, a refused
+        certificate. Each leaf of that
         read fails with its own error, naming the URL or path, its own tensor
         (and shard) and its own byte range, never a neighbour's. Where the OS
         gave an error number it is the exception's ``errno``, and the type is
         Python's subclass for it, as ``open()`` and ``socket`` raise them
         (``ConnectionRefusedError``, ``ConnectionResetError``,
         ``IsADirectoryError``, ``PermissionError``).
+      PermissionError: HTTP 401 or 403 (after the one refresh of
+        ``credentials``), naming the URL (the ``hf://`` URL as given, saying
+        that a private or gated repo needs a token when none was sent).
       TimeoutError: a request ran past ``timeout``.
       KeyError: an index names a tensor its file lacks.
       FileNotFoundError: an index names a file that does not exist (the
@@ -210,13 +249,14 @@ def load_safetensors(
     max_bytes_in_flight = _positive_int_or_none(max_bytes_in_flight, "max_bytes_in_flight")
     timeout = timeout_seconds(timeout, NAME, positive=True)
     retries = _retries(retries)
+    remote = remote_options(NAME, timeout, retries, headers, credentials)
     callback = progress_callback(progress)
     name = f"{NAME}({source!r})"
     file_order = like is None
     floats_to = _float_dtype(dtype)
     if like is None:
         # On the pool, waited for here: Ctrl-C interrupts the wait.
-        where = _core.submit(open_all, source, timeout, retries).result()
+        where = _core.submit(open_all, source, remote).result()
         like = _specs(where, floats_to)
     else:
         if floats_to is not None:
@@ -239,7 +279,7 @@ def load_safetensors(
             load.plan(where, source)
             load.pump()
         else:
-            opener = _core.submit(_open_and_plan, load, source, timeout, retries)
+            opener = _core.submit(_open_and_plan, load, source, remote)
             opener.add_done_callback(lambda f: fail_all_if_failed(f, futures))
         tree = specs.treedef.unflatten(leaves)
         # A pytree's dict comes back sorted by key: give the files' order.
@@ -290,7 +330,12 @@ class SafetensorsHeader(NamedTuple):
 
 
 def safetensors_header(
-    source: str | bytes | os.PathLike[str], *, timeout: float | None = None, retries: int = 3
+    source: str | bytes | os.PathLike[str],
+    *,
+    timeout: float | None = None,
+    retries: int = 3,
+    headers: Mapping[str, str] | None = None,
+    credentials: Callable[[str], Mapping[str, str]] | None = None,
 ) -> SafetensorsHeader:
     """Reads only the headers of a safetensors source (one read of at most
     64 KiB a file, the index followed), validated as ``load_safetensors``
@@ -298,7 +343,8 @@ def safetensors_header(
     to build a ``like`` tree or a sharding from.
 
     Args:
-      source, timeout, retries: as ``load_safetensors`` takes them.
+      source, timeout, retries, headers, credentials: as ``load_safetensors``
+        takes them.
 
     Returns:
       A ``SafetensorsHeader(specs, metadata)``: ``specs`` maps each tensor's
@@ -310,8 +356,10 @@ def safetensors_header(
     Raises:
       As ``load_safetensors`` raises at its call: ``FileNotFoundError``,
       ``OSError``, ``TimeoutError``, ``ValueError`` for a malformed header, and
-      ``TypeError``/``ValueError`` for a bad argument, each starting with
-      ``load_safetensors:`` and naming the source.
+      ``PermissionError`` and ``TypeError``/``ValueError`` for a bad
+      argument, each starting with ``load_safetensors:`` and naming the
+      source (``safetensors_header:`` for a bad ``headers`` or
+      ``credentials``).
 
     Examples:
       >>> import os, tempfile
@@ -326,8 +374,9 @@ def safetensors_header(
     source = source_text(source)
     timeout = timeout_seconds(timeout, NAME, positive=True)
     retries = _retries(retries)
+    remote = remote_options("safetensors_header", timeout, retries, headers, credentials)
     # On the pool, waited for here: Ctrl-C interrupts the wait.
-    where = _core.submit(open_all, source, timeout, retries).result()
+    where = _core.submit(open_all, source, remote).result()
     metadata: dict[str, str] = {}
     seen: set[int] = set()
     for header, _ in where.values():
@@ -381,7 +430,7 @@ def _retries(retries: Any) -> int:
     return int(retries)
 
 
-def _open_and_plan(load: Load, source: str, timeout: float | None, retries: int) -> None:
-    where = open_all(source, timeout, retries, set(load.names))
+def _open_and_plan(load: Load, source: str, remote: Remote) -> None:
+    where = open_all(source, remote, set(load.names))
     load.plan(where, source)
     load.pump()

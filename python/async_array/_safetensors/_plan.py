@@ -152,6 +152,11 @@ class Load:
         queue = []
         for header, leaves in jobs.values():
             leaves.sort(key=lambda x: x[:2])
+            if not header.file.ranged:
+                # A server that ignores Range sends the whole file to every
+                # request: one job, one request, one pass over the file.
+                queue.append(job(header, leaves))
+                continue
             entries = header.entries
             small, limit = (_SMALL, _GROUP) if header.file.remote else (_FILE_SMALL, _FILE_GROUP)
             if self.budget is not None:

@@ -37,7 +37,7 @@ def read_job(load: Load, job: Job, linked: threading.Event) -> None:
         # leave the request, which is not sent when nothing is left.
         reads = [r for r in reads if not futures[r.leaf].done()]
         wants: list[tuple[int, DTypeLike, list[tuple[int, int]] | None]] = []
-        owners = []  # each want's leaf future: one cancelled meanwhile is not read
+        owners: list[Any] = []  # each want's leaf future: one cancelled meanwhile is not read
         for r in reads:
             dtype = read_dtype(r.np_name, specs.avals[r.leaf].dtype)
             if r.bounds is None:

@@ -1,11 +1,12 @@
-"""Where a load's tensors are: a path, ``file://`` or http(s) URL, or an
-index of several files; their headers opened by the core (errors reworded
+"""Where a load's tensors are: a path, ``file://``, http(s) or ``hf://``
+URL, or an index of several files; their headers opened by the core (errors reworded
 here, naming the call), each tensor's record a ``_core.TensorInfo``."""
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import stat
 import urllib.parse
@@ -14,7 +15,9 @@ from typing import Any
 
 from .. import _core
 from .._errors import reworded
+from ._remote import HF, Remote, core_args, has_authorization, parse_hf, resolved
 
+_LOG = logging.getLogger("async_array")
 NAME = "load_safetensors"
 MAX_INDEX = 64 << 20
 MAX_PATH = 4096  # Linux's PATH_MAX, in bytes
@@ -29,15 +32,18 @@ def source_text(source: Any) -> str:
         if b"\0" in source or len(source) > MAX_PATH:
             # A file's contents passed for its path: say so, not 87 MB of it.
             raise TypeError(
-                f"{NAME}: source must be a path or a file:// or http(s):// URL, got "
+                f"{NAME}: source must be a path or a file://, http(s):// or hf:// URL, got "
                 f"bytes of length {len(source)} that no path has (a file's contents?)"
             )
         source = os.fsdecode(source)  # a path as the OS has it, UTF-8 or not
     if not isinstance(source, str):
         raise TypeError(
-            f"{NAME}: source must be a path or a file:// or http(s):// URL, "
+            f"{NAME}: source must be a path or a file://, http(s):// or hf:// URL, "
             f"got {type(source).__name__}"
         )
+    if source.startswith(HF):
+        parse_hf(source, NAME)  # refused at the call when it names no file
+        return source
     if "://" not in source:
         return regular_or_missing(source)
     try:
@@ -71,20 +77,26 @@ def regular_or_missing(path: str) -> str:
 
 
 def is_url(source: str) -> bool:
-    return source.startswith(("http://", "https://"))
+    return source.startswith(("http://", "https://", HF))
 
 
-def read_index(source: str, timeout: float | None, retries: int) -> dict[str, str]:
+def read_index(source: str, remote: Remote) -> dict[str, str]:
     """The weight map of a ``model.safetensors.index.json``: tensor name ->
     the path or URL of the file that holds it (resolved against the index)."""
     if is_url(source):
-        data, size = _core.read_url_prefix(source, MAX_INDEX, timeout=timeout, retries=retries)
+        url, remote = resolved(source, remote)
+        try:
+            data, size = _core.read_url_prefix(url, MAX_INDEX, **core_args(url, source, remote))
+        except PermissionError as exc:
+            raise PermissionError(f"{exc}{token_hint(source, remote)}") from None
         if size > len(data):
             raise ValueError(
                 f"{NAME}: {source}: an index of {size} bytes is over the {MAX_INDEX} limit"
             )
         base = source
         join: Callable[[str, str], str] = urllib.parse.urljoin
+        if source.startswith(HF):  # the same repo and revision: beside it in the repo
+            base, join = source.rsplit("/", 1)[0], "{}/{}".format
     else:
         try:
             with open(source, "rb") as f:
@@ -142,18 +154,44 @@ class Header:
             self.index[entry.name] = i
 
 
-def open_header(source: str, timeout: float | None, retries: int) -> Header:
+def open_header(source: str, remote: Remote) -> Header:
     try:
-        return Header(_core.SafetensorsFile(source, timeout=timeout, retries=retries))
+        if is_url(source):
+            url, remote = resolved(source, remote)
+            header = Header(_core.SafetensorsFile(url, **core_args(url, source, remote)))
+            if not header.file.ranged:
+                _LOG.warning(
+                    "%s: %s: the server ignores Range requests (it answered one with the whole "
+                    "file): ranged reads are unavailable, so the tensors wanted are read in one "
+                    "pass over the file from its first byte",
+                    NAME,
+                    source,
+                )
+            return header
+        return Header(_core.SafetensorsFile(source))
     except FileNotFoundError as exc:
         if not is_url(source):
             # As open() raises it: errno and filename set, for code that reads them.
             raise FileNotFoundError(errno.ENOENT, f"{NAME}: no such file", source) from None
         raise FileNotFoundError(f"{NAME}: {exc}") from None
-    except (OSError, ValueError) as exc:  # TimeoutError is an OSError
+    except PermissionError as exc:
+        if not is_url(source):  # a file's: errno EACCES, as open() raises it
+            raise reworded(exc, f"{NAME}: ") from None
+        raise PermissionError(f"{NAME}: {exc}{token_hint(source, remote)}") from None
+    except (OSError, ValueError, TypeError) as exc:  # TimeoutError is an OSError
         # The core's message names the file and bytes; this names the call
         # (an OS error number stays the exception's: ConnectionRefusedError...).
         raise reworded(exc, f"{NAME}: ") from None
+
+
+def token_hint(source: str, remote: Remote) -> str:
+    """What a refused ``hf://`` source sent without a token adds to its error."""
+    if not source.startswith(HF) or has_authorization(remote):
+        return ""
+    return (
+        " (a private or gated repo needs a token: set HF_TOKEN, or log in with "
+        "`hf auth login` (it writes $HF_HOME/token))"
+    )
 
 
 def is_index(source: str) -> bool:
@@ -165,7 +203,7 @@ def is_index(source: str) -> bool:
 
 
 def open_all(
-    source: str, timeout: float | None, retries: int, wanted: set[str] | None = None
+    source: str, remote: Remote, wanted: set[str] | None = None
 ) -> dict[str, tuple[Header, int]]:
     """Every tensor name -> (its file's header, its index there), for one
     file or an index of several (their headers read concurrently, on the pool).
@@ -173,13 +211,13 @@ def open_all(
     none of them are not opened: a missing or unread file of tensors nobody
     asked for fails nothing."""
     if not is_index(source):
-        header = open_header(source, timeout, retries)
+        header = open_header(source, remote)
         return {name: (header, t) for name, t in header.index.items()}
-    full_map = weight_map = read_index(source, timeout, retries)
+    full_map = weight_map = read_index(source, remote)
     if wanted is not None:
         weight_map = {name: file for name, file in weight_map.items() if name in wanted}
     files = list(dict.fromkeys(weight_map.values()))
-    opening = [_core.submit(open_header, f, timeout, retries) for f in files]
+    opening = [_core.submit(open_header, f, remote) for f in files]
     headers = {}
     for file, fut in zip(files, opening, strict=True):
         try:

@@ -50,6 +50,9 @@ pub enum Error {
     },
     /// A file or URL that is not there (the message names it): `FileNotFoundError`.
     NotFound(String),
+    /// A server refused a request (HTTP 401 or 403; the message names the
+    /// URL): `PermissionError`.
+    Denied(String),
     /// Reading a file or URL failed (the message says what, where, which
     /// bytes): `OSError`.
     Io(String),
@@ -109,6 +112,7 @@ impl fmt::Display for Error {
             | Error::WrongType(msg)
             | Error::Buffer(msg)
             | Error::NotFound(msg)
+            | Error::Denied(msg)
             | Error::Io(msg)
             | Error::Os { message: msg, .. }
             | Error::Format(msg)

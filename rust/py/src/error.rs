@@ -8,8 +8,8 @@
 
 use async_array_core::Error as CoreError;
 use pyo3::exceptions::{
-    PyBufferError, PyFileNotFoundError, PyMemoryError, PyOSError, PyOverflowError, PyRuntimeError,
-    PyTimeoutError, PyTypeError, PyValueError,
+    PyBufferError, PyFileNotFoundError, PyMemoryError, PyOSError, PyOverflowError,
+    PyPermissionError, PyRuntimeError, PyTimeoutError, PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -100,6 +100,7 @@ impl From<Error> for PyErr {
                 }
             }),
             CoreError::NotFound(msg) => PyFileNotFoundError::new_err(msg),
+            CoreError::Denied(msg) => PyPermissionError::new_err(msg),
             CoreError::Io(msg) => PyOSError::new_err(msg),
             CoreError::Os { errno, message } => PyOSError::new_err((errno, message)),
             CoreError::Format(msg) => PyValueError::new_err(msg),
@@ -308,6 +309,14 @@ mod tests {
         assert_eq!(
             raised::<PyFileNotFoundError>(CoreError::NotFound("f.safetensors: gone".into())),
             "f.safetensors: gone"
+        );
+    }
+
+    #[test]
+    fn denied_is_permission_error_with_its_message() {
+        assert_eq!(
+            raised::<PyPermissionError>(CoreError::Denied("u: HTTP 403 (forbidden)".into())),
+            "u: HTTP 403 (forbidden)"
         );
     }
 

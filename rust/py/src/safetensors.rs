@@ -5,13 +5,61 @@
 use crate::error::Error;
 use crate::future::PyFuture;
 use crate::host_buffer::HostBuffer;
-use async_array_core::safetensors::http::{Http, RemoteFile};
+use crate::interp::call_or_park;
+use async_array_core::safetensors::http::{Credentials, Failure, Http, RemoteFile, Target};
 use async_array_core::safetensors::local::LocalFile;
 use async_array_core::safetensors::plan::{Plan, Wanted};
 use async_array_core::safetensors::{Dtype, TensorInfo as CoreTensorInfo};
 use async_array_core::time::timeout_from_secs;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
+use std::sync::Arc;
+
+/// A source's headers in the order given: `(name, value)` pairs.
+type Headers = Vec<(String, String)>;
+
+/// `credentials=`: a Python callable `(url) -> list of (name, value)`
+/// (`async_array._safetensors` wraps the user's, checks what it returns and
+/// words its errors), called on the reading thread, attached to the
+/// interpreter for the call. A TypeError stays one, a ValueError too; any
+/// other exception becomes an OSError with its message.
+struct PyCredentials(Py<PyAny>);
+
+impl Credentials for PyCredentials {
+    fn headers(&self, url: &str) -> Result<Headers, Failure> {
+        Python::attach(|py| {
+            let failed = |err: PyErr| {
+                let what = err
+                    .get_type(py)
+                    .name()
+                    .map_or_else(|_| "an exception".into(), |n| n.to_string());
+                let text = err
+                    .value(py)
+                    .str()
+                    .map_or_else(|_| String::new(), |s| s.to_string());
+                // The checking wrapper's message names the call and the URL.
+                let detail = if text.is_empty() { what } else { text };
+                if err.is_instance_of::<PyTypeError>(py) {
+                    Failure::wrong_type(detail)
+                } else if err.is_instance_of::<PyValueError>(py) {
+                    Failure::invalid(&detail)
+                } else {
+                    Failure::io(detail)
+                }
+            };
+            let args = PyTuple::new(py, [url]).map_err(failed)?;
+            let got = call_or_park(self.0.bind(py), &args, None).map_err(failed)?;
+            got.extract::<Headers>().map_err(failed)
+        })
+    }
+}
+
+/// The target of a URL source: its headers, and its credentials when given.
+fn target(url: &str, headers: Headers, credentials: Option<Py<PyAny>>) -> Result<Target, Error> {
+    let credentials = credentials.map(|c| Arc::new(PyCredentials(c)) as Arc<dyn Credentials>);
+    Ok(Target::new(url, headers, credentials)?)
+}
 
 /// One tensor of a safetensors file, as its header describes it.
 #[pyclass(frozen, name = "TensorInfo", module = "async_array._core")]
@@ -71,7 +119,7 @@ type Want<'py> = (usize, Bound<'py, PyAny>, Option<Vec<(u64, u64)>>);
 
 enum Backing {
     Local(LocalFile),
-    Remote(RemoteFile),
+    Remote(Box<RemoteFile>),
 }
 
 /// A safetensors file (local, or over HTTP(S)) and its validated header.
@@ -96,16 +144,26 @@ impl SafetensorsFile {
     /// and reads its header (one read of at most 64 KiB, a second for a
     /// longer header), detached from the interpreter. For a URL, `timeout`
     /// (seconds, None: none) bounds each request, retries included, and
-    /// `retries` is how often a connection error or 5xx is retried.
-    /// FileNotFoundError, OSError, TimeoutError, or ValueError for a
-    /// malformed header.
+    /// `retries` is how often a connection error or 5xx is retried;
+    /// `headers` (`(name, value)` pairs) go with every request to the URL's
+    /// server (scheme, host and port), never to a redirect target on
+    /// another; `credentials`, a callable `(url) -> [(name, value), ...]`,
+    /// adds its headers the same way, called before the first request and
+    /// again once after a 401 or 403; `name` is how messages and `source`
+    /// name the file (default: the URL). Redirects are followed (at most 10)
+    /// and the last location is where later reads go.
+    /// FileNotFoundError, PermissionError (401, 403), OSError, TimeoutError,
+    /// or ValueError for a malformed header.
     #[new]
-    #[pyo3(signature = (source, *, timeout=None, retries=3))]
+    #[pyo3(signature = (source, *, timeout=None, retries=3, headers=Vec::new(), credentials=None, name=None))]
     fn new(
         py: Python<'_>,
         source: std::path::PathBuf,
         timeout: Option<f64>,
         retries: u32,
+        headers: Headers,
+        credentials: Option<Py<PyAny>>,
+        name: Option<String>,
     ) -> Result<Self, Error> {
         // A path as the OS has it (str, bytes or os.PathLike, not only UTF-8);
         // a URL is text.
@@ -114,19 +172,34 @@ impl SafetensorsFile {
             .filter(|s| s.starts_with("http://") || s.starts_with("https://"));
         let file = if let Some(url) = url {
             let http = Http::new(timeout_from_secs(timeout)?, retries)?;
-            Backing::Remote(py.detach(|| RemoteFile::open(url, http))?)
+            let target = target(url, headers, credentials)?;
+            let name = name.as_deref().unwrap_or(url);
+            Backing::Remote(Box::new(
+                py.detach(|| RemoteFile::open(target, name, http))?,
+            ))
         } else {
             Backing::Local(py.detach(|| LocalFile::open(&source))?)
         };
         Ok(SafetensorsFile { file })
     }
 
-    /// The path or URL it was opened with.
+    /// The path or URL it was opened with (or the `name` it was given).
     #[getter]
     fn source(&self) -> &str {
         match &self.file {
             Backing::Local(f) => &f.path,
-            Backing::Remote(f) => &f.url,
+            Backing::Remote(f) => &f.name,
+        }
+    }
+
+    /// False for a server that ignores range requests (it answered one with
+    /// the whole file): each `read` then streams the file from its first
+    /// byte, so one `read` should take every tensor wanted.
+    #[getter]
+    fn ranged(&self) -> bool {
+        match &self.file {
+            Backing::Local(_) => true,
+            Backing::Remote(f) => f.ranged(),
         }
     }
 
@@ -229,27 +302,34 @@ impl SafetensorsFile {
 }
 
 /// The first at most `max_bytes` bytes of `url` (a `model.safetensors.index.json`,
-/// say): one range request, with `timeout` and `retries` as `SafetensorsFile`'s.
+/// say): one range request, with `timeout`, `retries`, `headers`,
+/// `credentials` and `name` as `SafetensorsFile`'s.
 /// Returns `(bytes, total size)`: fewer bytes than the size means there is more.
 #[pyfunction]
-#[pyo3(signature = (url, max_bytes, *, timeout=None, retries=3))]
+#[pyo3(signature = (url, max_bytes, *, timeout=None, retries=3, headers=Vec::new(), credentials=None, name=None))]
+#[allow(clippy::too_many_arguments)]
 pub fn read_url_prefix(
     py: Python<'_>,
     url: String,
     max_bytes: u64,
     timeout: Option<f64>,
     retries: u32,
+    headers: Headers,
+    credentials: Option<Py<PyAny>>,
+    name: Option<String>,
 ) -> Result<(Vec<u8>, u64), Error> {
     let http = Http::new(timeout_from_secs(timeout)?, retries)?;
+    let target = target(&url, headers, credentials)?;
+    let name = name.as_deref().unwrap_or(&url);
     py.detach(|| {
         let mut out = Vec::new();
         let end = max_bytes.max(1);
         let total = http
-            .read_range(&url, 0, end, true, None, &mut |b| {
+            .read_range(&target, 0, end, true, None, &mut |b| {
                 out.extend_from_slice(b);
                 true
             })
-            .map_err(|f| f.at(&format!("{url}: bytes [0, {end})")))?
+            .map_err(|f| f.at(&format!("{name}: bytes [0, {end})")))?
             .total;
         Ok((out, total))
     })

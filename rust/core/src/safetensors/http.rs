@@ -14,6 +14,7 @@ use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 use ureq::unversioned::resolver::DefaultResolver;
 use ureq::unversioned::transport::{ConnectProxyConnector, Connector, TcpConnector};
+use url::Url;
 
 /// Requests in flight at once to one server (scheme, host and port), whatever
 /// file of this process they read, and idle keep-alive connections kept per
@@ -52,6 +53,10 @@ const ABANDONED_TEXT: &str = "abandoned at interpreter exit";
 /// Why a request stopped before its end when its reader wanted no more.
 const DROPPED_TEXT: &str = "dropped: every leaf it was read for was cancelled";
 
+/// Redirects (301, 302, 303, 307, 308) followed from a source's URL; one more
+/// fails the read.
+pub const MAX_REDIRECTS: usize = 10;
+
 /// First wait before a retry; doubled at each retry, at most [`MAX_BACKOFF`].
 pub const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 /// The longest pause between two retries.
@@ -82,6 +87,9 @@ pub struct Version {
     pub etag: Option<String>,
     /// Its `Last-Modified`, if the server sent one.
     pub last_modified: Option<String>,
+    /// False when the server answered a range request that does not cover
+    /// the whole file with the whole file (200): it ignores `Range`.
+    pub ranged: bool,
 }
 
 impl Version {
@@ -223,6 +231,10 @@ fn shared_agent() -> Result<ureq::Agent, Error> {
         .map_err(|e| Error::Io(format!("TLS could not be set up: {e}")))?;
     let config = ureq::Agent::config_builder()
         .http_status_as_error(false)
+        // Redirects are followed by `Http::send`: it learns the final
+        // location (reused by later reads) and drops a source's headers
+        // on the way to another server.
+        .max_redirects(0)
         .max_idle_connections_per_host(POOL_CONNECTIONS)
         .max_idle_connections(4 * POOL_CONNECTIONS)
         .build();
@@ -242,6 +254,156 @@ fn shared_agent() -> Result<ureq::Agent, Error> {
 /// shuts down their connections, in use or idle.
 static AGENTS_MADE: Mutex<Vec<(u32, ureq::Agent)>> = Mutex::new(Vec::new());
 
+/// Headers only the caller can make for a source (a token), asked for before
+/// its first request and once more after a 401 or 403 (a token refresh).
+pub trait Credentials: Send + Sync {
+    /// The headers of requests for `url` (the source's URL as given).
+    fn headers(&self, url: &str) -> Result<Vec<(String, String)>, Failure>;
+}
+
+/// One source over HTTP(S): the URL it was given, the headers its requests
+/// carry (fixed ones and those of its [`Credentials`]), sent to that URL's
+/// server (scheme, host and port) only, never to a redirect target on
+/// another, and the location its redirects last led to, where its later
+/// reads go first.
+pub struct Target {
+    /// The URL as given (normalized: `HTTP://Host` is `http://host/`):
+    /// where every redirect chain starts.
+    pub url: String,
+    origin: url::Origin,
+    headers: Vec<(String, String)>,
+    credentials: Option<Arc<dyn Credentials>>,
+    state: Mutex<TargetState>,
+}
+
+#[derive(Default)]
+struct TargetState {
+    /// Where the redirects from `url` led (None: nowhere else).
+    location: Option<String>,
+    /// The headers of the credentials, once asked for.
+    auth: Option<Vec<(String, String)>>,
+    /// How many times they were asked for.
+    generation: u64,
+}
+
+impl Target {
+    /// A source at `url` whose requests carry `headers` and those of `credentials`.
+    pub fn new(
+        url: &str,
+        headers: Vec<(String, String)>,
+        credentials: Option<Arc<dyn Credentials>>,
+    ) -> Result<Target, Error> {
+        let parsed = Url::parse(url)
+            .map_err(|e| Error::InvalidArgument(format!("{url}: not a valid URL ({e})")))?;
+        Ok(Target {
+            // As the url crate writes it, as every location is compared.
+            url: parsed.as_str().to_owned(),
+            origin: parsed.origin(),
+            headers,
+            credentials,
+            state: Mutex::new(TargetState::default()),
+        })
+    }
+
+    /// A source at `url` with no headers of its own.
+    pub fn plain(url: &str) -> Result<Target, Error> {
+        Target::new(url, Vec::new(), None)
+    }
+
+    /// Where a read goes first: the last redirects' end, else the URL.
+    fn start(&self) -> String {
+        lock(&self.state)
+            .location
+            .clone()
+            .unwrap_or_else(|| self.url.clone())
+    }
+
+    fn remember(&self, location: &str) {
+        let mut state = lock(&self.state);
+        state.location = (location != self.url).then(|| location.to_owned());
+    }
+
+    /// Forgets `location` (it refused a read): the next read starts at the URL.
+    fn forget(&self, location: &str) {
+        let mut state = lock(&self.state);
+        if state.location.as_deref() == Some(location) {
+            state.location = None;
+        }
+    }
+
+    /// Whether `url` is on the source's server, where its headers may go.
+    fn same_server(&self, url: &Url) -> bool {
+        url.origin() == self.origin
+    }
+
+    /// The headers for the source's server, and which credentials they hold.
+    /// The credentials are asked for (no lock held) the first time.
+    fn headers(&self) -> Result<(Vec<(String, String)>, u64), Failure> {
+        let Some(credentials) = &self.credentials else {
+            return Ok((self.headers.clone(), 0));
+        };
+        let (auth, generation) = {
+            let state = lock(&self.state);
+            (state.auth.clone(), state.generation)
+        };
+        let auth = match auth {
+            Some(auth) => auth,
+            None => {
+                let fresh = credentials.headers(&self.url)?;
+                let mut state = lock(&self.state);
+                if state.generation == generation {
+                    state.auth = Some(fresh);
+                    state.generation += 1;
+                }
+                drop(state);
+                return self.headers();
+            }
+        };
+        Ok((merged(&self.headers, &auth), generation))
+    }
+
+    /// Asks for the credentials again after a 401 or 403, unless another read
+    /// did since `seen` was used.
+    fn refresh(&self, seen: u64) -> Result<(), Failure> {
+        let Some(credentials) = &self.credentials else {
+            return Ok(());
+        };
+        if lock(&self.state).generation != seen {
+            return Ok(());
+        }
+        let fresh = credentials.headers(&self.url)?;
+        let mut state = lock(&self.state);
+        if state.generation == seen {
+            state.auth = Some(fresh);
+            state.generation += 1;
+        }
+        Ok(())
+    }
+}
+
+/// `fixed`, with the names of `over` replaced by its values (names compared
+/// without case), then `over`.
+fn merged(fixed: &[(String, String)], over: &[(String, String)]) -> Vec<(String, String)> {
+    let mut all: Vec<(String, String)> = fixed
+        .iter()
+        .filter(|(name, _)| !over.iter().any(|(o, _)| o.eq_ignore_ascii_case(name)))
+        .cloned()
+        .collect();
+    all.extend(over.iter().cloned());
+    all
+}
+
+/// `url` as messages show it: without its query and fragment (a signed URL's
+/// signature) and without a user or password.
+fn shown(url: &Url) -> String {
+    let mut url = url.clone();
+    url.set_query(None);
+    url.set_fragment(None);
+    let _ = url.set_username("");
+    let _ = url.set_password(None);
+    url.to_string()
+}
+
 impl Http {
     /// A client with a request `timeout` and `retries`; fails when TLS cannot be set up.
     pub fn new(timeout: Option<Duration>, retries: u32) -> Result<Http, Error> {
@@ -253,7 +415,7 @@ impl Http {
         })
     }
 
-    /// Reads bytes `[start, end)` of `url`, passing them in order to `sink`
+    /// Reads bytes `[start, end)` of `target`, passing them in order to `sink`
     /// (which returns false once it wants no more: the request is dropped),
     /// once fewer than [`POOL_CONNECTIONS`] requests to its server are in flight (all files of this process),
     /// retrying connection errors, a connection lost mid-body (the next
@@ -264,12 +426,19 @@ impl Http {
     /// server to refuse one). The caller names the read: a [`Failure`]
     /// carries only what went wrong.
     ///
+    /// Redirects are followed (at most [`MAX_REDIRECTS`]) from where the
+    /// target's last read ended; a 403, 404 or 410 there (an expired signed
+    /// URL) sends the read back to the target's URL, once. A 401 or 403 asks
+    /// the target's credentials again, once, and the request is made again
+    /// with them. A server that ignores `Range` (200 with the whole file) is
+    /// read from byte 0, the bytes before `start` dropped.
+    ///
     /// With `upto`, a file shorter than `end` is no error: the server's
     /// shorter range (`bytes start-(size-1)/size`) is read (a header's first read).
     #[allow(clippy::too_many_arguments)]
     pub fn read_range(
         &self,
-        url: &str,
+        target: &Target,
         start: u64,
         end: u64,
         upto: bool,
@@ -281,18 +450,40 @@ impl Http {
         }
         // The deadline starts once the request may start: a load of many
         // reads queues them here, not against each one's timeout.
-        let slots = slots_for(url);
+        let slots = slots_for(&target.start());
         let _slot = slots.take();
         let deadline = self.timeout.and_then(|t| Instant::now().checked_add(t));
         let mut backoff = FIRST_BACKOFF;
         let mut attempt = 0;
         let mut got = 0u64;
         let (mut end, mut upto) = (end, upto);
+        let (mut resolved_again, mut refreshed) = (false, false);
         loop {
             let from = start + got;
-            match self.attempt(url, from, end, upto, expect, deadline, &mut got, sink) {
+            let location = target.start();
+            let result = self.attempt(
+                target, &location, from, end, upto, expect, deadline, &mut got, sink,
+            );
+            match result {
                 Ok(total) => return Ok(total),
                 Err(Attempt::Fatal(f)) => return Err(f),
+                Err(Attempt::Refused { status, generation }) => {
+                    let moved = location != target.url;
+                    if moved && matches!(status, 403 | 404 | 410) && !resolved_again {
+                        // The redirect's target is gone or refuses now (a signed
+                        // URL expired): ask the source's URL where it is now.
+                        resolved_again = true;
+                        target.forget(&location);
+                    } else if matches!(status, 401 | 403)
+                        && target.credentials.is_some()
+                        && !refreshed
+                    {
+                        refreshed = true;
+                        target.refresh(generation)?;
+                    } else {
+                        return Err(refused(status));
+                    }
+                }
                 Err(Attempt::Retry {
                     detail,
                     errno,
@@ -341,12 +532,126 @@ impl Http {
         }
     }
 
-    /// One request for bytes `[start, end)`; `got` counts the bytes passed to
+    /// A GET of `from` with `range` (and `If-Match`), following redirects
+    /// (the target's headers only to its own server); the response, and the
+    /// URL that gave it.
+    #[allow(clippy::too_many_arguments)]
+    fn send(
+        &self,
+        target: &Target,
+        from: &str,
+        range: &str,
+        if_match: Option<&str>,
+        headers: &[(String, String)],
+        deadline: Option<Instant>,
+    ) -> Result<(ureq::http::Response<ureq::Body>, String), Attempt> {
+        let retry = |detail: String, errno: Option<i32>| Attempt::Retry {
+            detail,
+            errno,
+            total: None,
+            after: None,
+        };
+        let mut url = Url::parse(from).map_err(|e| {
+            Attempt::Fatal(Failure::invalid(&format!(
+                "{} is not a valid URL ({e})",
+                target.url
+            )))
+        })?;
+        let mut seen: Vec<Url> = Vec::new();
+        loop {
+            let left = match deadline {
+                None => None,
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(left) if !left.is_zero() => Some(left),
+                    _ => return Err(self.timed_out()),
+                },
+            };
+            let mut request = self.agent.get(url.as_str()).header("Range", range);
+            if let Some(etag) = if_match {
+                request = request.header("If-Match", etag);
+            }
+            if target.same_server(&url) {
+                for (name, value) in headers {
+                    request = request.header(name, value);
+                }
+            }
+            let mut response = match request.config().timeout_global(left).build().call() {
+                Ok(r) => r,
+                Err(ureq::Error::Timeout(_)) => return Err(self.timed_out()),
+                // A certificate refused (rustls errors come as InvalidData): no retry helps.
+                Err(ureq::Error::Io(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
+                    return Err(Attempt::Fatal(Failure::io(e.to_string())))
+                }
+                Err(ureq::Error::Io(e)) => {
+                    let (text, errno) = crate::error::os_text(&e);
+                    return Err(retry(text, errno));
+                }
+                Err(
+                    e @ (ureq::Error::ConnectionFailed
+                    | ureq::Error::HostNotFound
+                    | ureq::Error::Protocol(_)),
+                ) => return Err(retry(e.to_string(), None)),
+                // Never a header's value: ureq's errors name what was wrong, not the value.
+                Err(e) => return Err(Attempt::Fatal(Failure::io(e.to_string()))),
+            };
+            let status = response.status().as_u16();
+            if !matches!(status, 301 | 302 | 303 | 307 | 308) {
+                return Ok((response, url.into()));
+            }
+            drain(&mut response);
+            let location = response
+                .headers()
+                .get("location")
+                .and_then(|v| v.to_str().ok())
+                .ok_or_else(|| {
+                    Attempt::Fatal(Failure::io(format!(
+                        "HTTP {status} (a redirect) from {} without a Location",
+                        shown(&url)
+                    )))
+                })?;
+            let next = url
+                .join(location)
+                .ok()
+                .filter(|u| matches!(u.scheme(), "http" | "https"))
+                .ok_or_else(|| {
+                    Attempt::Fatal(Failure::io(format!(
+                        "HTTP {status} from {} redirects to {:?}, not an http(s) URL",
+                        shown(&url),
+                        location.chars().take(200).collect::<String>()
+                    )))
+                })?;
+            seen.push(std::mem::replace(&mut url, next));
+            if seen.contains(&url) {
+                return Err(Attempt::Fatal(Failure::io(format!(
+                    "a redirect loop: {} redirects back to {} ({} redirects)",
+                    shown(&seen[seen.len() - 1]),
+                    shown(&url),
+                    seen.len()
+                ))));
+            }
+            if seen.len() > MAX_REDIRECTS {
+                return Err(Attempt::Fatal(Failure::io(format!(
+                    "more than {MAX_REDIRECTS} redirects (the last to {})",
+                    shown(&url)
+                ))));
+            }
+        }
+    }
+
+    fn timed_out(&self) -> Attempt {
+        Attempt::Fatal(Failure::deadline(format!(
+            "not finished within the {} s timeout",
+            self.timeout.unwrap_or_default().as_secs_f64()
+        )))
+    }
+
+    /// One request for bytes `[start, end)` from `location`; `got` counts the bytes passed to
     /// `sink` (across attempts: the caller resumes after them).
     #[allow(clippy::too_many_arguments)]
     fn attempt(
         &self,
-        url: &str,
+        target: &Target,
+        location: &str,
         start: u64,
         mut end: u64,
         upto: bool,
@@ -355,54 +660,25 @@ impl Http {
         got: &mut u64,
         sink: &mut dyn FnMut(&[u8]) -> bool,
     ) -> Result<Version, Attempt> {
-        let timed_out = || {
-            Attempt::Fatal(Failure::deadline(format!(
-                "not finished within the {} s timeout",
-                self.timeout.unwrap_or_default().as_secs_f64()
-            )))
-        };
+        let timed_out = || self.timed_out();
         if abandoned() {
             return Err(Attempt::Fatal(Failure::io(ABANDONED_TEXT.into())));
         }
-        let left = match deadline {
-            None => None,
-            Some(d) => match d.checked_duration_since(Instant::now()) {
-                Some(left) if !left.is_zero() => Some(left),
-                _ => return Err(timed_out()),
-            },
-        };
         let retry = |detail: String, errno: Option<i32>| Attempt::Retry {
             detail,
             errno,
             total: None,
             after: None,
         };
-        let mut request = self
-            .agent
-            .get(url)
-            .header("Range", format!("bytes={start}-{}", end - 1));
-        if let Some(etag) = expect.and_then(Version::if_match) {
-            request = request.header("If-Match", etag);
-        }
-        let response = request.config().timeout_global(left).build().call();
-        let mut response = match response {
-            Ok(r) => r,
-            Err(ureq::Error::Timeout(_)) => return Err(timed_out()),
-            // A certificate refused (rustls errors come as InvalidData): no retry helps.
-            Err(ureq::Error::Io(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
-                return Err(Attempt::Fatal(Failure::io(e.to_string())))
-            }
-            Err(ureq::Error::Io(e)) => {
-                let (text, errno) = crate::error::os_text(&e);
-                return Err(retry(text, errno));
-            }
-            Err(
-                e @ (ureq::Error::ConnectionFailed
-                | ureq::Error::HostNotFound
-                | ureq::Error::Protocol(_)),
-            ) => return Err(retry(e.to_string(), None)),
-            Err(e) => return Err(Attempt::Fatal(Failure::io(e.to_string()))),
-        };
+        let (headers, generation) = target.headers().map_err(Attempt::Fatal)?;
+        let (mut response, reached) = self.send(
+            target,
+            location,
+            &format!("bytes={start}-{}", end - 1),
+            expect.and_then(Version::if_match),
+            &headers,
+            deadline,
+        )?;
         let status = response.status().as_u16();
         let content_length = response
             .headers()
@@ -416,7 +692,9 @@ impl Http {
             && content_length.is_some_and(|n| n > 0 && n <= end && (upto || n == end));
         match status {
             206 => {}
-            200 if whole => {}
+            // The whole file, from a server that ignores Range: read from
+            // byte 0, the bytes before `start` dropped.
+            200 if content_length.is_some() => {}
             429 | 503 => {
                 let after = response
                     .headers()
@@ -435,10 +713,9 @@ impl Http {
                     after,
                 });
             }
-            404 | 410 => {
-                return Err(Attempt::Fatal(Failure::not_found(format!(
-                    "HTTP {status} (not found)"
-                ))))
+            401 | 403 | 404 | 410 => {
+                drain(&mut response);
+                return Err(Attempt::Refused { status, generation });
             }
             500..=599 => return Err(retry(format!("HTTP {status} (server error)"), None)),
             412 => {
@@ -448,8 +725,8 @@ impl Http {
             }
             200 => {
                 return Err(Attempt::Fatal(Failure::io(
-                    "HTTP 200: the server ignored the Range request (it must answer \
-                     206 Partial Content)"
+                    "HTTP 200 without a Content-Length: the server ignored the Range \
+                     request, and the file's size is unknown"
                         .into(),
                 )))
             }
@@ -459,6 +736,7 @@ impl Http {
                 ))))
             }
         }
+        target.remember(&reached);
         let headers = response.headers();
         let header = |name: &str| {
             headers
@@ -468,7 +746,7 @@ impl Http {
         };
         let content_range = header("content-range");
         let total = match content_length {
-            Some(n) if whole => Some(n),
+            Some(n) if status == 200 => Some(n),
             _ => content_range
                 .as_deref()
                 .and_then(|v| parse_content_range(v, start, end, upto)),
@@ -484,27 +762,38 @@ impl Http {
             total,
             etag: header("etag"),
             last_modified: header("last-modified"),
+            ranged: status == 206 || whole,
         };
         if let Some(why) = expect.and_then(|e| e.changed(&version)) {
             return Err(Attempt::Fatal(Failure::io(why)));
         }
         end = end.min(total);
-        if let Some(length) = header("content-length") {
-            if length.trim().parse::<u64>().ok() != Some(end - start) {
-                return Err(Attempt::Fatal(Failure::io(format!(
-                    "wrong Content-Length {length:?} (expected {})",
-                    end - start
-                ))));
+        if start >= end {
+            return Err(Attempt::Fatal(Failure::io(format!(
+                "the file is {total} bytes, shorter than the range asked for"
+            ))));
+        }
+        if status == 206 {
+            if let Some(length) = header("content-length") {
+                if length.trim().parse::<u64>().ok() != Some(end - start) {
+                    return Err(Attempt::Fatal(Failure::io(format!(
+                        "wrong Content-Length {length:?} (expected {})",
+                        end - start
+                    ))));
+                }
             }
         }
+        // A 200's body is the file from byte 0: its first `start` bytes are dropped.
+        let skip = if status == 200 { start } else { 0 };
         let mut reader = response
             .body_mut()
             .with_config()
-            .limit(end - start)
+            .limit(skip + (end - start))
             .reader();
         let origin = start - *got; // the first byte the caller asked for
         let wanted = end - origin;
         let mut chunk = vec![0u8; 256 * 1024];
+        let mut skipped = 0u64;
         let mut here = 0u64;
         // The connection ended before the body did: retried, asking for the rest.
         let cut = |got: u64, cause: String, errno: Option<i32>| Attempt::Retry {
@@ -520,9 +809,14 @@ impl Http {
             if abandoned() {
                 return Err(Attempt::Fatal(Failure::io(ABANDONED_TEXT.into())));
             }
-            let want = ((end - start - here) as usize).min(chunk.len());
+            let want = if skipped < skip {
+                ((skip - skipped) as usize).min(chunk.len())
+            } else {
+                ((end - start - here) as usize).min(chunk.len())
+            };
             match reader.read(&mut chunk[..want]) {
                 Ok(0) => return Err(cut(*got, String::new(), None)),
+                Ok(n) if skipped < skip => skipped += n as u64,
                 Ok(n) => {
                     here += n as u64;
                     *got += n as u64;
@@ -547,10 +841,34 @@ impl Http {
                 }
             }
         }
-        // Read to the end of the body (no bytes left): only then does ureq
-        // give the connection back to its pool for the next request.
-        let _ = reader.read(&mut chunk[..1]);
+        if status == 206 || Some(skip + end - start) == content_length {
+            // Read to the end of the body (no bytes left): only then does ureq
+            // give the connection back to its pool for the next request. (A
+            // 200 with more of the file after the range is dropped unread:
+            // its connection closes.)
+            let _ = reader.read(&mut chunk[..1]);
+        }
         Ok(version)
+    }
+}
+
+/// Reads a short body to its end, so that its connection serves the next
+/// request (a redirect's, a refusal's); a long one is left, and its
+/// connection closed.
+fn drain(response: &mut ureq::http::Response<ureq::Body>) {
+    let _ = response
+        .body_mut()
+        .with_config()
+        .limit(64 * 1024)
+        .read_to_vec();
+}
+
+/// The failure of a read that a server refused with `status`.
+fn refused(status: u16) -> Failure {
+    match status {
+        401 => Failure::denied("HTTP 401 (unauthorized: credentials missing or refused)".into()),
+        403 => Failure::denied("HTTP 403 (forbidden)".into()),
+        _ => Failure::not_found(format!("HTTP {status} (not found)")),
     }
 }
 
@@ -564,14 +882,24 @@ enum Attempt {
         /// How long the server asked to wait (`Retry-After`), if it did.
         after: Option<Duration>,
     },
+    /// A 401, 403, 404 or 410, and which credentials the request carried:
+    /// the caller decides whether to ask the URL again or the credentials.
+    Refused {
+        status: u16,
+        generation: u64,
+    },
     Fatal(Failure),
 }
 
 /// What kind of failure a read met (which Python exception it becomes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailureKind {
-    /// The file is not there (404).
+    /// The file is not there (404, 410).
     NotFound,
+    /// The server refused the request (401, 403).
+    Denied,
+    /// A value of the wrong type (what credentials returned).
+    WrongType,
     /// A connection or transfer failed.
     Io,
     /// A request ran past its deadline.
@@ -615,6 +943,14 @@ impl Failure {
     pub fn not_found(detail: String) -> Failure {
         Failure::of(FailureKind::NotFound, detail)
     }
+    /// A request the server refused (401, 403).
+    pub fn denied(detail: String) -> Failure {
+        Failure::of(FailureKind::Denied, detail)
+    }
+    /// A value of the wrong type.
+    pub fn wrong_type(detail: String) -> Failure {
+        Failure::of(FailureKind::WrongType, detail)
+    }
     /// A request past its deadline.
     pub fn deadline(detail: String) -> Failure {
         Failure::of(FailureKind::Deadline, detail)
@@ -629,6 +965,8 @@ impl Failure {
         let message = format!("{here}: {}", self.detail);
         match self.kind {
             FailureKind::NotFound => Error::NotFound(message),
+            FailureKind::Denied => Error::Denied(message),
+            FailureKind::WrongType => Error::WrongType(message),
             FailureKind::Io => match self.errno {
                 Some(errno) => Error::Os { errno, message },
                 None => Error::Io(message),
@@ -665,8 +1003,11 @@ pub fn parse_content_range(value: &str, start: u64, end: u64, upto: bool) -> Opt
 
 /// A safetensors file served over HTTP(S) and its validated header.
 pub struct RemoteFile {
-    /// The URL it was opened with.
-    pub url: String,
+    /// How messages name it: its URL, or the name the caller gave it
+    /// (`hf://org/repo/model.safetensors`).
+    pub name: String,
+    /// Where it is, the headers its requests carry and where its redirects led.
+    pub target: Target,
     /// The client that reads it.
     pub http: Http,
     /// Its size in bytes.
@@ -682,37 +1023,45 @@ pub struct RemoteFile {
 impl RemoteFile {
     /// Reads the header: one range request of at most [`FIRST_READ`] bytes, a
     /// second only for a longer header (never more than the file's size).
-    pub fn open(url: &str, http: Http) -> Result<RemoteFile, Error> {
+    /// Errors name the file by `name`.
+    pub fn open(target: Target, name: &str, http: Http) -> Result<RemoteFile, Error> {
         let mut first = Vec::new();
         let version = http
-            .read_range(url, 0, FIRST_READ, true, None, &mut |b| {
+            .read_range(&target, 0, FIRST_READ, true, None, &mut |b| {
                 first.extend_from_slice(b);
                 true
             })
-            .map_err(|f| f.at(&format!("{url}: header (bytes [0, {FIRST_READ}))")))?;
+            .map_err(|f| f.at(&format!("{name}: header (bytes [0, {FIRST_READ}))")))?;
         let len = version.total;
-        let n = header_len(url, &first, len).map_err(Error::Format)?;
+        let n = header_len(name, &first, len).map_err(Error::Format)?;
         let json = if 8 + n <= first.len() as u64 {
             first[8..(8 + n) as usize].to_vec()
         } else {
             let mut rest = Vec::with_capacity(n as usize);
-            http.read_range(url, 8, 8 + n, false, Some(&version), &mut |b| {
+            http.read_range(&target, 8, 8 + n, false, Some(&version), &mut |b| {
                 rest.extend_from_slice(b);
                 true
             })
-            .map_err(|f| f.at(&format!("{url}: header (bytes [8, {}))", 8 + n)))?;
+            .map_err(|f| f.at(&format!("{name}: header (bytes [8, {}))", 8 + n)))?;
             rest
         };
         let (tensors, metadata) =
-            parse_header_and_metadata(url, &json, len).map_err(Error::Format)?;
+            parse_header_and_metadata(name, &json, len).map_err(Error::Format)?;
         Ok(RemoteFile {
-            url: url.to_owned(),
+            name: name.to_owned(),
+            target,
             http,
             len,
             tensors,
             metadata,
             version,
         })
+    }
+
+    /// Whether its server answers range requests (else each read streams
+    /// the file from its first byte).
+    pub fn ranged(&self) -> bool {
+        self.version.ranged
     }
 }
 
@@ -748,6 +1097,7 @@ mod tests {
             total,
             etag: etag.map(str::to_owned),
             last_modified: modified.map(str::to_owned),
+            ranged: true,
         };
         let base = v(100, Some("\"a\""), Some("Mon"));
         assert_eq!(base.changed(&base), None);
@@ -768,6 +1118,62 @@ mod tests {
         );
         assert_eq!(base.if_match(), Some("\"a\""));
         assert_eq!(v(1, Some("W/\"a\""), None).if_match(), None);
+    }
+
+    #[test]
+    fn headers_go_to_the_sources_server_only() {
+        let target = Target::new(
+            "http://Host:8000/a/model.safetensors?x=1",
+            vec![("X-Key".into(), "k".into())],
+            None,
+        )
+        .unwrap();
+        let on = |u: &str| target.same_server(&Url::parse(u).unwrap());
+        assert!(on("http://host:8000/b"));
+        assert!(!on("http://host:8001/a/model.safetensors"));
+        assert!(!on("https://host:8000/a/model.safetensors"));
+        assert!(!on("http://cdn:8000/a/model.safetensors"));
+        assert!(Target::plain("not a url").is_err());
+        // Kept as every location reached is written, so that reaching it is not a move.
+        assert_eq!(
+            Target::plain("HTTP://Origin:80/m").unwrap().url,
+            "http://origin/m"
+        );
+    }
+
+    #[test]
+    fn a_location_is_reused_until_it_is_forgotten() {
+        let target = Target::plain("http://origin/m").unwrap();
+        assert_eq!(target.start(), "http://origin/m");
+        target.remember("http://cdn/m?sig=1");
+        assert_eq!(target.start(), "http://cdn/m?sig=1");
+        target.forget("http://cdn/other");
+        assert_eq!(target.start(), "http://cdn/m?sig=1");
+        target.forget("http://cdn/m?sig=1");
+        assert_eq!(target.start(), "http://origin/m");
+    }
+
+    #[test]
+    fn credentials_override_fixed_headers_of_the_same_name() {
+        let fixed = vec![
+            ("Authorization".into(), "a".into()),
+            ("X".into(), "x".into()),
+        ];
+        let over = vec![("authorization".into(), "b".into())];
+        let all = merged(&fixed, &over);
+        assert_eq!(
+            all,
+            vec![
+                ("X".into(), "x".into()),
+                ("authorization".into(), "b".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn a_url_is_shown_without_its_query_or_user() {
+        let url = Url::parse("https://u:p@cdn.example/f?X-Amz-Signature=s#x").unwrap();
+        assert_eq!(shown(&url), "https://cdn.example/f");
     }
 
     #[test]

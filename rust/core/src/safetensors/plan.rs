@@ -477,13 +477,13 @@ impl Plan {
                 return Ok(());
             }
             let one = std::mem::take(carry);
-            self.convert_into(&file.url, &file.tensors, p, at, &one, cast, results)?;
+            self.convert_into(&file.name, &file.tensors, p, at, &one, cast, results)?;
             at += size as u64;
         }
         let whole = part.len() / size * size;
         carry.extend_from_slice(&part[whole..]);
         self.convert_into(
-            &file.url,
+            &file.name,
             &file.tensors,
             p,
             at,
@@ -518,9 +518,12 @@ impl Plan {
             let mut end = self.pieces[i].src + self.pieces[i].len;
             // (A piece that overlaps the request so far, the same tensor asked
             // for twice, starts a request of its own.)
+            // A server that ignores Range sends the file from its first byte
+            // at every request: one request then reads every piece.
+            let gap = if file.ranged() { HTTP_GAP } else { u64::MAX };
             while j < self.pieces.len()
                 && self.pieces[j].src >= end
-                && self.pieces[j].src <= end + HTTP_GAP
+                && self.pieces[j].src.saturating_sub(end) <= gap
             {
                 end = end.max(self.pieces[j].src + self.pieces[j].len);
                 j += 1;
@@ -537,7 +540,7 @@ impl Plan {
             // the rest of (a chunk may end inside one).
             let mut carry: Vec<u8> = Vec::new();
             let read = file.http.read_range(
-                &file.url,
+                &file.target,
                 start,
                 end,
                 false,
@@ -589,7 +592,7 @@ impl Plan {
                 },
             );
             if let Err(failure) = read {
-                self.fail_group(&file.url, &file.tensors, group, &failure, &mut results);
+                self.fail_group(&file.name, &file.tensors, group, &failure, &mut results);
             }
         }
         results
