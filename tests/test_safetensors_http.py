@@ -545,6 +545,18 @@ def test_exit_during_a_read_the_server_never_answers_abandons_it_at_once(server,
     assert out == "exiting\n"
 
 
+def test_a_request_in_flight_for_cancelled_leaves_only_is_dropped(server, weights):
+    server.gate = threading.Event()
+    server.slow = 0.01  # a byte each 10 ms: the 1.4 MB tensor would take four hours
+    like = {"big": jax.ShapeDtypeStruct(weights["big"].shape, np.float32)}
+    tree = aa.load_safetensors(server.url("model.safetensors"), like=like)
+    assert server.gated.wait(WAIT), "the tensor's request never reached the server"
+    assert tree["big"].cancel()
+    server.gate.set()  # its bytes start to flow, to a reader that wants none
+    assert server.client_gone.wait(WAIT), "the download went on"
+    assert tree["big"].cancelled()
+
+
 def test_cancelled_leaves_are_not_downloaded(server, weights, pool_size):
     pool_size(1)
     blocker = Gate(np.zeros(1, np.float32))

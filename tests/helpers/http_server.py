@@ -27,7 +27,8 @@ class FaultServer:
     ``slow`` seconds between bytes; ``ignore_range`` answers 200 with the whole
     file; ``gate`` an event each request waits for (``gated`` is set when one
     does; the file is read after the wait, so a test can replace it meanwhile;
-    ``gates_expired`` counts the requests that waited 30 s and went on);
+    ``gates_expired`` counts the requests that waited 30 s and went on;
+    ``client_gone`` is set when a client closed its connection mid-body);
     ``etag`` sends a strong ETag of the file's bytes with every answer, and
     ``if_match`` answers 412 to an ``If-Match`` naming another ETag;
     ``retry_after`` a ``Retry-After`` value sent with the ``status_first``
@@ -63,6 +64,7 @@ class FaultServer:
         self.gate: threading.Event | None = None
         self.gated = threading.Event()
         self.gates_expired = 0
+        self.client_gone = threading.Event()
         self.requests: list[tuple[str, int, int]] = []
         self.client_ports: set[int] = set()
         self.headers: list[dict[str, str]] = []
@@ -170,6 +172,7 @@ class FaultServer:
             h.wfile.write(body)
         except OSError:  # the client gave up
             h.close_connection = True
+            self.client_gone.set()
 
     def send(self, h, status, body, headers=None):
         h.send_response(status)
