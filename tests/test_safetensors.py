@@ -742,7 +742,14 @@ def test_safetensors_header_follows_an_index_and_refuses_what_the_load_refuses(t
     assert header.metadata == {"f": "2"}
     bad = tmp_path / "bad.safetensors"
     write_raw(bad, {"t": entry(shape=(1,), offsets=(4, 8))}, D8)
-    with pytest.raises(ValueError, match=r"^load_safetensors: .*belong to no tensor"):
+    with pytest.raises(ValueError, match=r"^safetensors_header: .*belong to no tensor"):
         aa.safetensors_header(bad)
-    with pytest.raises(TypeError, match="timeout must be a positive number"):
+    with pytest.raises(TypeError, match=r"^safetensors_header: timeout must be a positive number"):
         aa.safetensors_header(index, timeout="soon")
+    with pytest.raises(FileNotFoundError, match=r"^\[Errno 2\] safetensors_header: ") as info:
+        aa.safetensors_header(tmp_path / "missing.safetensors")
+    assert info.value.errno == errno.ENOENT and info.value.filename == str(
+        tmp_path / "missing.safetensors"
+    )
+    with pytest.raises(TypeError, match=r"^safetensors_header: source must be"):
+        aa.safetensors_header(3)

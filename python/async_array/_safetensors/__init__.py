@@ -357,9 +357,8 @@ def safetensors_header(
       As ``load_safetensors`` raises at its call: ``FileNotFoundError``,
       ``OSError``, ``TimeoutError``, ``ValueError`` for a malformed header, and
       ``PermissionError`` and ``TypeError``/``ValueError`` for a bad
-      argument, each starting with ``load_safetensors:`` and naming the
-      source (``safetensors_header:`` for a bad ``headers`` or
-      ``credentials``).
+      argument, each starting with ``safetensors_header:`` and naming the
+      source.
 
     Examples:
       >>> import os, tempfile
@@ -371,12 +370,16 @@ def safetensors_header(
       >>> header.specs["w"].shape, header.metadata
       ((2, 3), {'k': 'v'})
     """
-    source = source_text(source)
-    timeout = timeout_seconds(timeout, NAME, positive=True)
-    retries = _retries(retries)
-    remote = remote_options("safetensors_header", timeout, retries, headers, credentials)
-    # On the pool, waited for here: Ctrl-C interrupts the wait.
-    where = _core.submit(open_all, source, remote).result()
+    try:
+        source = source_text(source)
+        timeout = timeout_seconds(timeout, NAME, positive=True)
+        retries = _retries(retries)
+        remote = remote_options(HEADER_NAME, timeout, retries, headers, credentials)
+        # On the pool, waited for here: Ctrl-C interrupts the wait.
+        where = _core.submit(open_all, source, remote).result()
+    except Exception as exc:
+        # The checks and reads are the loader's own: its errors name this call.
+        raise _named_for_header(exc) from None
     metadata: dict[str, str] = {}
     seen: set[int] = set()
     for header, _ in where.values():
@@ -384,6 +387,28 @@ def safetensors_header(
             seen.add(id(header))
             metadata.update(header.file.metadata)
     return SafetensorsHeader(_specs(where), metadata)
+
+
+HEADER_NAME = "safetensors_header"
+
+
+def _named_for_header(exc: Exception) -> Exception:
+    """``exc`` (raised by the loader's checks and header reads) with its
+    message starting ``safetensors_header:`` instead of ``load_safetensors:``,
+    its type, ``errno`` and ``filename`` kept; ``exc`` itself when it starts
+    otherwise."""
+    old, new = f"{NAME}: ", f"{HEADER_NAME}: "
+    try:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            text = exc.strerror or ""
+            if text.startswith(old):
+                extra = () if exc.filename is None else (exc.filename,)
+                return type(exc)(exc.errno, new + text[len(old) :], *extra)
+        elif exc.args and isinstance(exc.args[0], str) and exc.args[0].startswith(old):
+            return type(exc)(new + exc.args[0][len(old) :], *exc.args[1:])
+    except Exception:  # an exception type built otherwise: as it came
+        pass
+    return exc
 
 
 def _sharding_by_rule(rule: Callable[..., Any], like: Any) -> Any:
