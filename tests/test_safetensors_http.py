@@ -557,6 +557,12 @@ def test_a_request_in_flight_for_cancelled_leaves_only_is_dropped(server, weight
     assert tree["big"].cancelled()
 
 
+def test_an_index_missing_on_its_server_names_the_call_and_url(server):
+    url = server.url("model.safetensors.index.json")
+    with pytest.raises(FileNotFoundError, match=rf"^load_safetensors: {url}: .*HTTP 404"):
+        aa.load_safetensors(url, timeout=30, retries=0)
+
+
 def test_cancelled_leaves_are_not_downloaded(server, weights, pool_size):
     pool_size(1)
     blocker = Gate(np.zeros(1, np.float32))

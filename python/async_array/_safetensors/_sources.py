@@ -88,7 +88,9 @@ def read_index(source: str, remote: Remote) -> dict[str, str]:
         try:
             data, size = _core.read_url_prefix(url, MAX_INDEX, **core_args(url, source, remote))
         except PermissionError as exc:
-            raise PermissionError(f"{exc}{token_hint(source, remote)}") from None
+            raise PermissionError(f"{NAME}: {exc}{token_hint(source, remote)}") from None
+        except OSError as exc:  # the core names the URL and bytes: the call goes first
+            raise reworded(exc, f"{NAME}: ") from None
         if size > len(data):
             raise ValueError(
                 f"{NAME}: {source}: an index of {size} bytes is over the {MAX_INDEX} limit"
