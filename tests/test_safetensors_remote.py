@@ -429,9 +429,9 @@ def test_a_private_index_without_a_token_says_so_too(hub, tmp_path):
     with pytest.raises(PermissionError) as info:
         aa.load_safetensors(source, timeout=30)
     assert str(info.value) == (
-        f"{source}: bytes [0, 67108864): HTTP 401 (unauthorized: credentials missing or "
-        "refused) (a private or gated repo needs a token: set HF_TOKEN, or log in with "
-        "`hf auth login` (it writes $HF_HOME/token))"
+        f"load_safetensors: {source}: bytes [0, 67108864): HTTP 401 (unauthorized: "
+        "credentials missing or refused) (a private or gated repo needs a token: set "
+        "HF_TOKEN, or log in with `hf auth login` (it writes $HF_HOME/token))"
     )
 
 
