@@ -195,3 +195,14 @@ def pool_size():
     before = aa.max_workers()
     yield aa.configure
     aa.configure(before)
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A ``FaultServer`` (tests/helpers/http_server.py) serving ``tmp_path``
+    on 127.0.0.1, closed at the test's end."""
+    from helpers.http_server import FaultServer
+
+    srv = FaultServer(tmp_path)
+    yield srv
+    srv.close()

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from conftest import WAIT
-from helpers.http_server import FaultServer
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -42,13 +41,6 @@ def values(shape, rng) -> np.ndarray:
 
 def expected(stored: np.ndarray, dtype: np.dtype) -> bytes:
     return stored.astype(dtype).tobytes()
-
-
-@pytest.fixture
-def server(tmp_path):
-    srv = FaultServer(tmp_path)
-    yield srv
-    srv.close()
 
 
 @pytest.mark.parametrize(("src", "dst"), list(itertools.permutations(FLOATS, 2)))

@@ -34,13 +34,6 @@ def weights(tmp_path):
     return arrays
 
 
-@pytest.fixture
-def server(tmp_path):
-    srv = FaultServer(tmp_path)
-    yield srv
-    srv.close()
-
-
 def check(got, arrays):
     assert set(got) == set(arrays)
     for k, v in arrays.items():

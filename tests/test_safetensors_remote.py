@@ -153,13 +153,6 @@ def test_a_location_that_refuses_again_after_the_url_was_asked_fails_naming_the_
 SECRET = "s3cr3t-t0ken-value"
 
 
-@pytest.fixture
-def server(tmp_path):
-    srv = FaultServer(tmp_path)
-    yield srv
-    srv.close()
-
-
 def test_headers_go_with_every_request_to_the_sources_server(model, server):
     headers = {"X-Key": "k1", "Authorization": f"Bearer {SECRET}"}
     url = server.url("model.safetensors")

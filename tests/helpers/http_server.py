@@ -70,19 +70,8 @@ class FaultServer:
         self.headers: list[dict[str, str]] = []
         self.lock = threading.Lock()
         self.closing = threading.Event()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                server.handle(self)
-
-        self.httpd = ThreadingHTTPServer((host, 0), Handler)
-        self.httpd.daemon_threads = True
+        # Looked up at each request: a test may replace `handle`.
+        self.httpd = serving(host, lambda h: self.handle(h))
         scheme = "http"
         if tls_context is not None:
             self.httpd.socket = tls_context.wrap_socket(self.httpd.socket, server_side=True)
@@ -183,6 +172,24 @@ class FaultServer:
         h.wfile.write(body)
 
 
+def serving(host: str, on_get: Callable[[BaseHTTPRequestHandler], None]) -> ThreadingHTTPServer:
+    """An HTTP/1.1 server on ``host`` (a free port; started by the caller)
+    whose every GET goes to ``on_get(handler)``, logging nothing."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            on_get(self)
+
+    httpd = ThreadingHTTPServer((host, 0), Handler)
+    httpd.daemon_threads = True
+    return httpd
+
+
 class Redirector:
     """An origin in front of a CDN: answers every GET with what
     ``answer(path, headers)`` returns, ``(status, location)`` (headers a
@@ -197,30 +204,22 @@ class Redirector:
         self.answer = answer
         self.requests: list[tuple[str, dict[str, str]]] = []
         self.lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                headers = {k.lower(): v for k, v in self.headers.items()}
-                with server.lock:
-                    server.requests.append((self.path, headers))
-                status, location = server.answer(self.path, headers)
-                self.send_response(status)
-                if location is not None:
-                    self.send_header("Location", location)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-        self.httpd = ThreadingHTTPServer((host, 0), Handler)
-        self.httpd.daemon_threads = True
+        # Looked up at each request: a test may replace `handle`.
+        self.httpd = serving(host, lambda h: self.handle(h))
         self.base = f"http://{host}:{self.httpd.server_address[1]}/"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
+
+    def handle(self, h: BaseHTTPRequestHandler) -> None:
+        headers = {k.lower(): v for k, v in h.headers.items()}
+        with self.lock:
+            self.requests.append((h.path, headers))
+        status, location = self.answer(h.path, headers)
+        h.send_response(status)
+        if location is not None:
+            h.send_header("Location", location)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
 
     def url(self, name: str) -> str:
         return self.base + name
