@@ -157,7 +157,6 @@ mod tests {
 
     #[test]
     fn aligned_for_every_size_and_counted() {
-        let before = live_buffers();
         let bufs: Vec<_> = [0usize, 1, 63, 64, 65, 4096, 1 << 22]
             .iter()
             .map(|&n| AlignedBuf::uninit(n).unwrap())
@@ -167,7 +166,9 @@ mod tests {
         }
         // Large ones start on a huge page, so huge pages can cover them whole.
         assert_eq!(bufs[6].as_ptr() as usize % HUGE_PAGE, 0);
-        assert!(live_buffers() >= before + bufs.len());
+        // Other tests allocate and free meanwhile (the count is the
+        // process's): only what these alone make certain is checked.
+        assert!(live_buffers() >= bufs.len());
         let big = &bufs[6];
         // Writable over its whole length.
         unsafe { std::ptr::write_bytes(big.as_ptr(), 0xAB, big.len()) };
