@@ -136,6 +136,23 @@ def test_a_failed_part_fails_its_tensor_naming_it_and_the_parts_bytes(
     assert re.search(r"\(the read of bytes \[\d+, \d+\) that held it\)", message), message
 
 
+def test_every_part_of_a_cancelled_tensor_is_dropped(server, tmp_path, parallel_ranges):
+    stored = np.zeros((602, 601), np.float32)
+    safetensors.numpy.save_file({"w": stored}, str(tmp_path / "m.st"))
+    parallel_ranges(1_000_000, 400_000)
+    server.hold_until = 4
+    server.slow = 0.01  # a byte each 10 ms: each 360 kB part would take an hour
+    like = {"w": jax.ShapeDtypeStruct(stored.shape, np.float32)}
+    tree = aa.load_safetensors(server.url("m.st"), like=like)
+    wait_for(server.hold_full, "the four parts in flight at once")
+    assert tree["w"].cancel()
+    for n in range(4):  # their bytes flow, to readers that want none
+        assert server.clients_gone.acquire(timeout=WAIT), (
+            f"{n} of 4 parts dropped, the rest went on"
+        )
+    assert tree["w"].cancelled()
+
+
 def test_like_over_http_returns_at_once(server, weights):
     like = {"small": {"03": jax.ShapeDtypeStruct((8, 4), np.float32)}}
     tree = aa.load_safetensors(server.url("model.safetensors"), like=like, timeout=30)

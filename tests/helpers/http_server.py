@@ -28,7 +28,8 @@ class FaultServer:
     file; ``gate`` an event each request waits for (``gated`` is set when one
     does; the file is read after the wait, so a test can replace it meanwhile;
     ``gates_expired`` counts the requests that waited 30 s and went on;
-    ``client_gone`` is set when a client closed its connection mid-body);
+    ``client_gone`` is set, and ``clients_gone`` released, each time a client
+    closed its connection mid-body);
     ``etag`` sends a strong ETag of the file's bytes with every answer, and
     ``if_match`` answers 412 to an ``If-Match`` naming another ETag;
     ``retry_after`` a ``Retry-After`` value sent with the ``status_first``
@@ -68,6 +69,7 @@ class FaultServer:
         self.gated = threading.Event()
         self.gates_expired = 0
         self.client_gone = threading.Event()
+        self.clients_gone = threading.Semaphore(0)
         self.hold_until: int | None = None
         self.held = 0
         self.most_held = 0
@@ -183,6 +185,7 @@ class FaultServer:
         except OSError:  # the client gave up
             h.close_connection = True
             self.client_gone.set()
+            self.clients_gone.release()
 
     def hold(self, until):
         with self.lock:
