@@ -4,6 +4,7 @@ a wrong Content-Range or Content-Length, a Range request ignored), coalesced
 requests, multi-file indexes, and HTTPS with a certificate made in the test."""
 
 import errno
+import itertools
 import json
 import re
 import shutil
@@ -13,14 +14,18 @@ import subprocess
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
 from conftest import WAIT, Gate, kill_group, run_script, spawn, wait_for
 from helpers.http_server import FaultServer
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import async_array as aa
 from async_array import _core
+from async_array._core import _testing
 
 
 @pytest.fixture
@@ -50,6 +55,95 @@ def test_loads_bit_exact_with_small_tensors_coalesced(server, weights):
     # 22 small tensors (under 1 MiB, side by side) share requests; "big" has its own.
     assert len(data_requests) < 5, data_requests
     assert len(server.requests) == len(data_requests) + 1  # one request for the header
+
+
+@pytest.fixture
+def parallel_ranges():
+    """Sets the size over which a request is split into concurrent parts, and
+    the most bytes of a part, for one test."""
+    before: list[tuple[int, int]] = []
+
+    def set_(above: int, part: int) -> None:
+        before.append(_testing.set_parallel_ranges(above, part))
+
+    yield set_
+    if before:
+        _testing.set_parallel_ranges(*before[0])
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_a_large_tensor_is_read_by_concurrent_range_requests(
+    server, tmp_path, parallel_ranges, dtype, sharded
+):
+    # 1.4 MB, split into 4 parts (of 361,802 bytes before the cuts move back
+    # to float32 boundaries: each part converts whole elements).
+    stored = np.random.default_rng(3).standard_normal((602, 601)).astype(np.float32)
+    stored[0, :3] = [np.inf, -0.0, np.nan]
+    safetensors.numpy.save_file({"w": stored, "small": np.arange(3.0)}, str(tmp_path / "m.st"))
+    parallel_ranges(1_000_000, 400_000)
+    # Each request is held until all four are in flight: one after another,
+    # the first would wait 30 s alone and hold_expired would tell.
+    server.hold_until = 4
+    sharding = None
+    if sharded:
+        mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+        sharding = {"w": NamedSharding(mesh, P("x", None))}
+    before = _testing.tensor_bytes_read()
+    like = {"w": jax.ShapeDtypeStruct(stored.shape, dtype or np.float32)}
+    tree = aa.load_safetensors(server.url("m.st"), like=like, sharding=sharding, timeout=2 * WAIT)
+    out = tree["w"].result(timeout=2 * WAIT)
+    assert not server.hold_expired.is_set(), "the parts were not in flight together"
+    assert server.most_held == 4
+    want = stored if dtype is None else stored.astype(np.dtype(dtype))
+    assert np.asarray(out).dtype == want.dtype
+    assert np.asarray(out).tobytes() == want.tobytes()
+    if sharded:
+        assert out.sharding == sharding["w"]
+    with server.lock:
+        parts = sorted((s, e) for _, s, e in server.requests if s > 0)
+    # Four parts, back to back, each cut on a float32 boundary of the tensor.
+    assert len(parts) == 4, parts
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(parts)), parts
+    assert parts[-1][1] - parts[0][0] == stored.nbytes
+    assert all((e - parts[0][0]) % 4 == 0 for _, e in parts), parts
+    assert _testing.tensor_bytes_read() - before == stored.nbytes
+
+
+def test_a_failed_part_fails_its_tensor_naming_it_and_the_parts_bytes(
+    server, tmp_path, parallel_ranges
+):
+    stored = np.arange(602 * 600, dtype=np.float32).reshape(602, 600)
+    safetensors.numpy.save_file({"w": stored}, str(tmp_path / "m.st"))
+    parallel_ranges(1_000_000, 400_000)
+    server.status_first = [404]  # the first part's request fails, the others not
+    tree = aa.load_safetensors(server.url("m.st"), timeout=WAIT, retries=0)
+    with pytest.raises(FileNotFoundError) as info:
+        tree["w"].result(timeout=WAIT)
+    begin = int.from_bytes((tmp_path / "m.st").read_bytes()[:8], "little") + 8
+    message = str(info.value)
+    assert message.startswith(
+        f"load_safetensors: {server.url('m.st')}: "
+        f'tensor "w" (bytes [{begin}, {begin + stored.nbytes})): HTTP 404'
+    ), message
+    assert re.search(r"\(the read of bytes \[\d+, \d+\) that held it\)", message), message
+
+
+def test_every_part_of_a_cancelled_tensor_is_dropped(server, tmp_path, parallel_ranges):
+    stored = np.zeros((602, 601), np.float32)
+    safetensors.numpy.save_file({"w": stored}, str(tmp_path / "m.st"))
+    parallel_ranges(1_000_000, 400_000)
+    server.hold_until = 4
+    server.slow = 0.01  # a byte each 10 ms: each 360 kB part would take an hour
+    like = {"w": jax.ShapeDtypeStruct(stored.shape, np.float32)}
+    tree = aa.load_safetensors(server.url("m.st"), like=like)
+    wait_for(server.hold_full, "the four parts in flight at once")
+    assert tree["w"].cancel()
+    for n in range(4):  # their bytes flow, to readers that want none
+        assert server.clients_gone.acquire(timeout=WAIT), (
+            f"{n} of 4 parts dropped, the rest went on"
+        )
+    assert tree["w"].cancelled()
 
 
 def test_like_over_http_returns_at_once(server, weights):

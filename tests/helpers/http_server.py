@@ -28,7 +28,8 @@ class FaultServer:
     file; ``gate`` an event each request waits for (``gated`` is set when one
     does; the file is read after the wait, so a test can replace it meanwhile;
     ``gates_expired`` counts the requests that waited 30 s and went on;
-    ``client_gone`` is set when a client closed its connection mid-body);
+    ``client_gone`` is set, and ``clients_gone`` released, each time a client
+    closed its connection mid-body);
     ``etag`` sends a strong ETag of the file's bytes with every answer, and
     ``if_match`` answers 412 to an ``If-Match`` naming another ETag;
     ``retry_after`` a ``Retry-After`` value sent with the ``status_first``
@@ -36,7 +37,10 @@ class FaultServer:
     covers all of it (as HTTP allows); ``auth`` the ``Authorization`` every
     request must carry (else ``auth_status``, 401); ``refuse_auth`` answers 400 to a request
     with an ``Authorization`` (a CDN's signed URL takes none); ``redirect``
-    maps a path to the Location of a 302 answered to it.
+    maps a path to the Location of a 302 answered to it. ``hold_until`` holds
+    each request until that many are held at once (``most_held`` the most
+    held at once; ``hold_expired`` is set, and no request held any more, when
+    one waited 30 s for the others): requests that were in flight together.
     ``requests`` lists every ``(path, start, end)`` asked for,
     ``client_ports`` the client ports they came from (one a connection), and
     ``headers`` the headers of every request (a dict, names lowercased).
@@ -65,6 +69,12 @@ class FaultServer:
         self.gated = threading.Event()
         self.gates_expired = 0
         self.client_gone = threading.Event()
+        self.clients_gone = threading.Semaphore(0)
+        self.hold_until: int | None = None
+        self.held = 0
+        self.most_held = 0
+        self.hold_full = threading.Event()
+        self.hold_expired = threading.Event()
         self.requests: list[tuple[str, int, int]] = []
         self.client_ports: set[int] = set()
         self.headers: list[dict[str, str]] = []
@@ -119,6 +129,8 @@ class FaultServer:
                     self.gates_expired += 1
             data = path.read_bytes()
             last = min(int(match.group(2)), len(data) - 1)
+        if faulty and self.hold_until is not None:
+            self.hold(self.hold_until)
         etag = f'"{hashlib.sha256(data).hexdigest()[:16]}"' if self.etag else None
         wanted = h.headers.get("If-Match")
         if self.if_match and wanted is not None and wanted != etag:
@@ -162,6 +174,19 @@ class FaultServer:
         except OSError:  # the client gave up
             h.close_connection = True
             self.client_gone.set()
+            self.clients_gone.release()
+
+    def hold(self, until):
+        with self.lock:
+            self.held += 1
+            self.most_held = max(self.most_held, self.held)
+            if self.held >= until:
+                self.hold_full.set()
+        if not self.hold_full.wait(30):
+            self.hold_expired.set()
+            self.hold_full.set()  # the others go on at once
+        with self.lock:
+            self.held -= 1
 
     def send(self, h, status, body, headers=None):
         h.send_response(status)

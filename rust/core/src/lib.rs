@@ -17,6 +17,9 @@
 //! * The pool's threads start lazily and a thread that blocks on other work
 //!   ([`pool::Pool::blocking`]) lets the pool start a stand-in.
 //! * A future's outcome is written once and read without a lock.
+//! * Outside the pool, only a read over HTTP starts threads: the parts of a
+//!   large range request ([`safetensors::plan::PARALLEL_ABOVE`]), scoped to
+//!   the read, which waits for them; they run no user code.
 //! * Across `fork()`, [`pool::Pool::lock_for_fork`] keeps the pool's state
 //!   consistent; the child fails what the parent's threads were running.
 

@@ -51,7 +51,9 @@ mod _core {
     #[pymodule]
     mod _testing {
         #[pymodule_export]
-        use crate::testing::{_submit_rust_panic, live_host_buffers, tensor_bytes_read};
+        use crate::testing::{
+            _submit_rust_panic, live_host_buffers, set_parallel_ranges, tensor_bytes_read,
+        };
     }
 
     #[pymodule_init]

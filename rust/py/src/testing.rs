@@ -26,6 +26,14 @@ pub fn tensor_bytes_read() -> u64 {
     async_array_core::safetensors::tensor_bytes_read()
 }
 
+/// Over HTTP, a range request of more than `above` bytes is read as
+/// concurrent parts of at most `part` bytes (at least 1) from now on, in this
+/// process (32 MiB and 16 MiB by default). Returns the values before.
+#[pyfunction]
+pub fn set_parallel_ranges(above: u64, part: u64) -> (u64, u64) {
+    async_array_core::safetensors::plan::set_parallel_ranges(above, part)
+}
+
 /// A task that panics in Rust, to test that a panic reaches Python as an
 /// ordinary `RuntimeError` (through the same [`fail_on_panic`] as every
 /// Python task) and leaves the worker alive.

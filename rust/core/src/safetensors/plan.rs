@@ -17,16 +17,45 @@
 //! 64 MB/s with 1 ms of latency. Runs of a block split on a later axis are
 //! often closer than that; then a request brings the bytes of the other
 //! blocks of those rows too, and the server sends more than the block's bytes.
+//! A request of more than [`PARALLEL_ABOVE`] bytes is read as parts of at
+//! most [`PART`] bytes, range requests in flight at once (scoped threads,
+//! each part's bytes straight into the outputs' memory): one TCP stream is
+//! slow wherever a server or CDN caps each connection.
 
 use super::convert::{Cast, Overflow};
-use super::http::{Failure, RemoteFile};
+use super::http::{Failure, RemoteFile, POOL_CONNECTIONS};
 use super::local::{preadv_exact, LocalFile};
 use super::{count_tensor_bytes, Dtype, TensorInfo};
 use crate::buffer::AlignedBuf;
 use crate::error::Error;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 /// Over HTTP, pieces at most this many bytes apart share one range request.
 pub const HTTP_GAP: u64 = 64 * 1024;
+
+/// Over HTTP, a range request that would cover more than this many bytes is
+/// split into parts read at once (each through [`super::http::Http::read_range`],
+/// so at most [`super::http::POOL_CONNECTIONS`] requests to one server are
+/// in flight, as for any read).
+pub const PARALLEL_ABOVE: u64 = 32 << 20;
+
+/// The most bytes of one part of a split request: the request's bytes are
+/// shared evenly by as few parts as that allows.
+pub const PART: u64 = 16 << 20;
+
+/// [`PARALLEL_ABOVE`] and [`PART`] as reads use them ([`set_parallel_ranges`]).
+static PARALLEL: [AtomicU64; 2] = [AtomicU64::new(PARALLEL_ABOVE), AtomicU64::new(PART)];
+
+/// Test hook: requests over `above` bytes are split into parts of at most
+/// `part` bytes (at least 1) from now on, in this process. Returns the
+/// values before.
+pub fn set_parallel_ranges(above: u64, part: u64) -> (u64, u64) {
+    (
+        PARALLEL[0].swap(above, Ordering::Relaxed),
+        PARALLEL[1].swap(part.max(1), Ordering::Relaxed),
+    )
+}
 
 /// At most this many pieces in one `preadv` (Linux's `IOV_MAX`).
 const IOV_MAX: usize = 1024;
@@ -62,6 +91,8 @@ pub struct Output {
     pub nbytes: u64,
     /// The conversion made as it is read, if any.
     pub cast: Option<Cast>,
+    /// Bytes of one element in the file.
+    pub itemsize: u64,
     /// The first file byte it takes (`lo == hi` when it takes none).
     pub lo: u64,
     /// One past the last file byte it takes.
@@ -237,6 +268,7 @@ impl Plan {
             shape,
             nbytes,
             cast,
+            itemsize,
             lo,
             hi,
             runs: mine.len(),
@@ -246,8 +278,9 @@ impl Plan {
     }
 
     /// Whether output `out` is still to be read: not failed and still wanted.
-    fn to_read(&self, out: usize, results: &[Result<AlignedBuf, Error>]) -> bool {
+    fn to_read(&self, out: usize, results: &[Result<AlignedBuf, Error>], failed: &Failed) -> bool {
         results[out].is_ok()
+            && failed[out].get().is_none()
             && self
                 .wanted
                 .get(out)
@@ -274,24 +307,26 @@ impl Plan {
         )
     }
 
-    /// Fails every output that has a piece in `group` and has not failed yet,
-    /// each error naming its own tensor and bytes (and the read's bytes when
-    /// the read held more than that output).
+    /// The errors of every output that has a piece in `group` and has not
+    /// failed yet (`failed`), each naming its own tensor and bytes (and the
+    /// read's bytes, `[start, end)`, when the read held more than that output).
+    #[allow(clippy::too_many_arguments)]
     fn fail_group(
         &self,
         source: &str,
         tensors: &[TensorInfo],
         group: &[Piece],
+        (start, end): (u64, u64),
         failure: &Failure,
-        results: &mut [Result<AlignedBuf, Error>],
-    ) {
-        let (start, end) = (group[0].src, group.last().map_or(0, |p| p.src + p.len));
+        failed: impl Fn(usize) -> bool,
+    ) -> Vec<(usize, Error)> {
+        let mut errors: Vec<(usize, Error)> = Vec::new();
         for p in group {
-            if results[p.out].is_err() {
+            if failed(p.out) || errors.iter().any(|(out, _)| *out == p.out) {
                 continue;
             }
             let o = &self.outputs[p.out];
-            let mut here = self.here(source, tensors, p.out);
+            let here = self.here(source, tensors, p.out);
             let detail = if (o.lo, o.hi) == (start, end) {
                 failure.clone()
             } else {
@@ -303,10 +338,9 @@ impl Plan {
                     ..failure.clone()
                 }
             };
-            let err = detail.at(&here);
-            here.clear();
-            results[p.out] = Err(err);
+            errors.push((p.out, detail.at(&here)));
         }
+        errors
     }
 
     fn allocate(&self) -> Vec<Result<AlignedBuf, Error>> {
@@ -376,7 +410,17 @@ impl Plan {
                 });
             }
             if let Err(failure) = preadv_exact(&file.file, &mut iov, group[0].src) {
-                self.fail_group(&file.path, &file.tensors, group, &failure, &mut results);
+                let span = (
+                    group[0].src,
+                    group[group.len() - 1].src + group[group.len() - 1].len,
+                );
+                let errors =
+                    self.fail_group(&file.path, &file.tensors, group, span, &failure, |o| {
+                        results[o].is_err()
+                    });
+                for (out, err) in errors {
+                    results[out] = Err(err);
+                }
             }
         }
         if let Some(why) = file.changed() {
@@ -508,10 +552,16 @@ impl Plan {
     }
 
     /// Reads every output over HTTP: pieces at most [`HTTP_GAP`] bytes apart
-    /// in one range request. A failed request fails the outputs it held, each
-    /// error naming its own tensor and bytes; other requests go on.
+    /// in one range request, a request of more than [`PARALLEL_ABOVE`] bytes
+    /// as parts read at once ([`Plan::parts`]). A failed request fails the
+    /// outputs it held, each error naming its own tensor and bytes; other
+    /// requests go on (the other parts of a split one stop once none of
+    /// their outputs is still to be read).
     pub fn read_remote(&self, file: &RemoteFile) -> Vec<Result<AlignedBuf, Error>> {
         let mut results = self.allocate();
+        let failed: Failed = (0..self.outputs.len()).map(|_| OnceLock::new()).collect();
+        let above = PARALLEL[0].load(Ordering::Relaxed);
+        let part = PARALLEL[1].load(Ordering::Relaxed);
         let mut i = 0;
         while i < self.pieces.len() {
             let mut j = i + 1;
@@ -530,74 +580,174 @@ impl Plan {
             }
             let group = &self.pieces[i..j];
             i = j;
-            if !group.iter().any(|p| self.to_read(p.out, &results)) {
-                continue; // failed or cancelled, all of them: no request
-            }
             let start = group[0].src;
-            let mut pos = start;
-            let mut k = 0;
-            // The start of an element that a converting output still waits
-            // the rest of (a chunk may end inside one).
-            let mut carry: Vec<u8> = Vec::new();
-            let read = file.http.read_range(
-                &file.target,
-                start,
-                end,
-                false,
-                Some(&file.version),
-                &mut |mut chunk| {
-                    count_tensor_bytes(chunk.len() as u64);
-                    while !chunk.is_empty() && k < group.len() {
-                        let p = group[k];
-                        if pos < p.src {
-                            let skip = ((p.src - pos) as usize).min(chunk.len());
-                            chunk = &chunk[skip..];
-                            pos += skip as u64;
-                            continue;
-                        }
-                        let n = ((p.src + p.len - pos) as usize).min(chunk.len());
-                        if let Some(cast) = self.outputs[p.out].cast {
-                            let offset = pos - p.src;
-                            if let Err(err) = self.convert_chunk(
-                                file,
-                                p,
-                                offset,
-                                &chunk[..n],
-                                cast,
-                                &mut carry,
-                                &results,
-                            ) {
-                                results[p.out] = Err(err);
-                            }
-                        } else if let Ok(buf) = &results[p.out] {
-                            // SAFETY: the buffer owns `nbytes` bytes, nobody else
-                            // sees it yet, and `dst + (pos - src) + n <= dst + len <= nbytes`.
-                            unsafe {
-                                std::ptr::copy_nonoverlapping(
-                                    chunk.as_ptr(),
-                                    buf.as_ptr().add((p.dst + pos - p.src) as usize),
-                                    n,
-                                )
-                            };
-                        }
-                        chunk = &chunk[n..];
-                        pos += n as u64;
-                        if pos == p.src + p.len {
-                            k += 1;
+            let parts = if file.ranged() && end - start > above {
+                self.parts(group, start, end, part)
+            } else {
+                Vec::new()
+            };
+            if parts.len() > 1 {
+                // Workers take the next part until none is left: this thread
+                // and up to POOL_CONNECTIONS - 1 more (fewer if the system
+                // refuses a thread).
+                let next = AtomicUsize::new(0);
+                let work = || loop {
+                    let n = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(a, b)) = parts.get(n) else {
+                        break;
+                    };
+                    let first = group.partition_point(|p| p.src + p.len <= a);
+                    let last = group.partition_point(|p| p.src < b);
+                    self.read_span(file, &group[first..last], a, b, &results, &failed);
+                };
+                std::thread::scope(|scope| {
+                    for _ in 1..parts.len().min(POOL_CONNECTIONS) {
+                        let spawned = std::thread::Builder::new()
+                            .name("aa-http-part".into())
+                            .spawn_scoped(scope, work);
+                        if spawned.is_err() {
+                            break;
                         }
                     }
-                    // Go on while a piece still to come is wanted (or the
-                    // body is complete: nothing is left to drop).
-                    k >= group.len() || group[k..].iter().any(|p| self.to_read(p.out, &results))
-                },
-            );
-            if let Err(failure) = read {
-                self.fail_group(&file.name, &file.tensors, group, &failure, &mut results);
+                    work();
+                });
+            } else {
+                self.read_span(file, group, start, end, &results, &failed);
+            }
+        }
+        for (result, failed) in results.iter_mut().zip(failed) {
+            if let Some(err) = failed.into_inner() {
+                *result = Err(err);
             }
         }
         results
     }
+
+    /// Splits the request `[start, end)` that holds `group` (pieces in file
+    /// order) into parts of at most about `part` bytes, shared evenly: the
+    /// parts cover `[start, end)` exactly, in order, and each boundary that
+    /// falls inside a piece falls on an element boundary of it (moved back
+    /// to the element's start), so that a part converts whole elements.
+    pub fn parts(&self, group: &[Piece], start: u64, end: u64, part: u64) -> Vec<(u64, u64)> {
+        let len = end - start;
+        let count = len.div_ceil(part.max(1)).max(1);
+        let size = len.div_ceil(count);
+        let mut parts: Vec<(u64, u64)> = Vec::with_capacity(count as usize);
+        let mut from = start;
+        for k in 1..count {
+            let mut at = start + k * size;
+            let cut = group.partition_point(|p| p.src + p.len <= at);
+            if let Some(p) = group.get(cut).filter(|p| p.src < at) {
+                let item = self.outputs[p.out].itemsize.max(1);
+                at = p.src + (at - p.src) / item * item;
+            }
+            if at > from {
+                parts.push((from, at));
+                from = at;
+            }
+        }
+        parts.push((from, end));
+        parts
+    }
+
+    /// Reads bytes `[start, end)` of the file, one range request, into the
+    /// pieces of `group` (those it holds, in file order; the first and the
+    /// last may start before `start` or end after `end`, at an element
+    /// boundary). A failure is recorded in `failed` for the outputs it held.
+    fn read_span(
+        &self,
+        file: &RemoteFile,
+        group: &[Piece],
+        start: u64,
+        end: u64,
+        results: &[Result<AlignedBuf, Error>],
+        failed: &Failed,
+    ) {
+        if !group.iter().any(|p| self.to_read(p.out, results, failed)) {
+            return; // failed or cancelled, all of them: no request
+        }
+        let mut pos = start;
+        let mut k = 0;
+        // The start of an element that a converting output still waits
+        // the rest of (a chunk may end inside one).
+        let mut carry: Vec<u8> = Vec::new();
+        let read = file.http.read_range(
+            &file.target,
+            start,
+            end,
+            false,
+            Some(&file.version),
+            &mut |mut chunk| {
+                count_tensor_bytes(chunk.len() as u64);
+                while !chunk.is_empty() && k < group.len() {
+                    let p = group[k];
+                    if pos < p.src {
+                        let skip = ((p.src - pos) as usize).min(chunk.len());
+                        chunk = &chunk[skip..];
+                        pos += skip as u64;
+                        continue;
+                    }
+                    let n = ((p.src + p.len - pos) as usize).min(chunk.len());
+                    if failed[p.out].get().is_some() {
+                        // Its output failed already: the bytes are dropped.
+                    } else if let Some(cast) = self.outputs[p.out].cast {
+                        let offset = pos - p.src;
+                        if let Err(err) = self.convert_chunk(
+                            file,
+                            p,
+                            offset,
+                            &chunk[..n],
+                            cast,
+                            &mut carry,
+                            results,
+                        ) {
+                            let _ = failed[p.out].set(err);
+                        }
+                    } else if let Ok(buf) = &results[p.out] {
+                        // SAFETY: the buffer owns `nbytes` bytes, nobody else
+                        // sees it yet, this request alone writes these bytes
+                        // (the parts of a request are disjoint), and
+                        // `dst + (pos - src) + n <= dst + len <= nbytes`.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                chunk.as_ptr(),
+                                buf.as_ptr().add((p.dst + pos - p.src) as usize),
+                                n,
+                            )
+                        };
+                    }
+                    chunk = &chunk[n..];
+                    pos += n as u64;
+                    if pos == p.src + p.len {
+                        k += 1;
+                    }
+                }
+                // Go on while a piece still to come is wanted (or the
+                // body is complete: nothing is left to drop).
+                k >= group.len()
+                    || group[k..]
+                        .iter()
+                        .any(|p| self.to_read(p.out, results, failed))
+            },
+        );
+        if let Err(failure) = read {
+            let errors = self.fail_group(
+                &file.name,
+                &file.tensors,
+                group,
+                (start, end),
+                &failure,
+                |o| results[o].is_err() || failed[o].get().is_some(),
+            );
+            for (out, err) in errors {
+                let _ = failed[out].set(err);
+            }
+        }
+    }
 }
+
+/// Per output, its error once a read failed it (set once, from any part).
+type Failed = Vec<OnceLock<Error>>;
 
 #[cfg(test)]
 mod tests {
@@ -649,6 +799,67 @@ mod tests {
         assert!(runs.is_empty() && plan.outputs[0].nbytes == 0);
         let (_, runs) = pieces(&[], &[]);
         assert_eq!(runs, vec![(100, 4)]);
+    }
+
+    #[test]
+    fn a_request_splits_into_parts_on_element_boundaries() {
+        // Three tensors back to back from an odd offset: float64 converted to
+        // float32, float32 read as it is, float64 converted; a block of the
+        // last, so that its runs leave gaps in the request.
+        let mut tensors = vec![
+            tensor(&[1000], 101),
+            tensor(&[999], 0),
+            tensor(&[40, 30], 0),
+        ];
+        tensors[0].dtype = Dtype::F64;
+        tensors[0].end = 101 + 8000;
+        tensors[1].start = tensors[0].end;
+        tensors[1].end = tensors[1].start + 3996;
+        tensors[2].dtype = Dtype::F64;
+        tensors[2].start = tensors[1].end;
+        tensors[2].end = tensors[2].start + 40 * 30 * 8;
+        let mut plan = Plan::default();
+        plan.add(&tensors, 0, None, Some(Dtype::F32)).unwrap();
+        plan.add(&tensors, 1, None, None).unwrap();
+        plan.add(&tensors, 2, Some(&[(0, 40), (3, 29)]), Some(Dtype::F32))
+            .unwrap();
+        plan.sort();
+        let (start, end) = (plan.pieces[0].src, {
+            let p = plan.pieces.last().unwrap();
+            p.src + p.len
+        });
+        for part in [1, 7, 100, 997, 1000, 4096, 20_000, 30_000] {
+            let parts = plan.parts(&plan.pieces, start, end, part);
+            // Exact coverage, in order, none empty, none much above `part`.
+            assert_eq!(parts[0].0, start);
+            assert_eq!(parts.last().unwrap().1, end);
+            for w in parts.windows(2) {
+                assert_eq!(w[0].1, w[1].0);
+            }
+            let size = (end - start).div_ceil((end - start).div_ceil(part));
+            for &(a, b) in &parts {
+                assert!(a < b && b - a <= size + 8, "{part}: [{a}, {b})");
+            }
+            // Every boundary inside a piece is on an element boundary of it.
+            for &(_, b) in &parts[..parts.len() - 1] {
+                for p in plan
+                    .pieces
+                    .iter()
+                    .filter(|p| p.src < b && b < p.src + p.len)
+                {
+                    let item = tensors[plan.outputs[p.out].tensor].dtype.itemsize();
+                    assert_eq!((b - p.src) % item, 0, "{part}: {b} cuts {p:?}");
+                }
+            }
+            if part >= 997 {
+                assert_eq!(parts.len() as u64, (end - start).div_ceil(part));
+            }
+        }
+        // Under the part size: one part, the request.
+        assert_eq!(
+            plan.parts(&plan.pieces, start, end, end),
+            vec![(start, end)]
+        );
     }
 
     #[test]
