@@ -330,9 +330,14 @@ def test_exit_while_a_task_frees_its_jax_arrays_keeps_the_exit_code():
 
 
 EXIT_WITH_A_TASK_ASLEEP_SCRIPT = """
-import sys, threading
+import signal, sys, threading
 import numpy as np
 import async_array as aa
+
+# Started in the background by a non-interactive shell (make in a CI script),
+# a process ignores SIGINT, and so would this one (ignored signals stay
+# ignored across exec): Python's own handler, as an interactive run has it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 started, never = threading.Event(), threading.Event()
 
