@@ -147,3 +147,27 @@ def test_bad_dtype_arguments_are_refused_at_the_call(tmp_path):
     like = {"w": jax.ShapeDtypeStruct((2,), np.float32)}
     with pytest.raises(ValueError, match=r"^load_safetensors: pass dtype= or like=, not both"):
         aa.load_safetensors(path, like=like, dtype=jnp.bfloat16)
+
+
+def test_float64_with_x64_off_warns_as_jax_does(tmp_path):
+    # Found by a first-time user: dtype=np.float64 was narrowed to float32 silently.
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.ones(2, np.float16)}, str(path))
+    with pytest.warns(UserWarning, match="float64 requested in load_safetensors is not available"):
+        tree = aa.load_safetensors(path, dtype=np.float64)
+    assert tree["w"].dtype == np.float32
+
+
+@pytest.mark.parametrize("value", [7.0, 100.0, float("nan"), float("inf")])
+def test_a_float4_leaf_refuses_what_it_would_clamp(tmp_path, value):
+    # Found by a first-time user: float4_e2m1fn (no inf, no nan) clamped 100 to 6
+    # and turned nan into -0 without a word.
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.array([1.0, value], np.float32)}, str(path))
+    tree = aa.load_safetensors(path, dtype=jnp.float4_e2m1fn)
+    with pytest.raises(OverflowError, match=r"float4_e2m1fn"):
+        tree["w"].result(timeout=WAIT)
+    if value == 7.0:  # 6.5 would round to 6; 7 is where rounding leaves the type
+        safetensors.numpy.save_file({"w": np.array([1.0, 6.5], np.float32)}, str(path))
+        ok = aa.load_safetensors(path, dtype=jnp.float4_e2m1fn)
+        assert np.asarray(ok["w"].result(timeout=WAIT)).astype(np.float32).tolist() == [1, 6]

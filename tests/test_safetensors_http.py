@@ -644,6 +644,12 @@ def test_a_request_in_flight_for_cancelled_leaves_only_is_dropped(server, weight
     assert tree["big"].cancelled()
 
 
+def test_a_url_scheme_in_capitals_is_the_same_scheme(server, weights):
+    # Found by a first-time user: HTTP:// was taken for a file name.
+    url = server.url("model.safetensors").replace("http://", "HTTP://")
+    check(aa.materialize(aa.load_safetensors(url, timeout=30), WAIT), weights)
+
+
 def test_an_index_missing_on_its_server_names_the_call_and_url(server):
     url = server.url("model.safetensors.index.json")
     with pytest.raises(FileNotFoundError, match=rf"^load_safetensors: {url}: .*HTTP 404"):

@@ -65,6 +65,10 @@ def copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
         with np.errstate(all="ignore"):
             # A type without inf (float8_e4m3fn) turns what it cannot hold into nan.
             grew = ~np.isfinite(dst) & np.isfinite(value)
+            limit = _saturation_limit(to)
+            if limit is not None:  # one without inf nor nan (float4) clamps it instead
+                grew |= np.isfinite(value) & (np.abs(value) >= limit)
+            lost = ~np.isfinite(value) & np.isfinite(dst)
         if grew.any():
             bad = value[grew].flat[0]
             raise invalid(
@@ -72,6 +76,30 @@ def copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
                 f"{where}: expected dtype {to}, got {src} value {bad} which is finite "
                 f"but beyond {to}'s range (it would become {dst[grew].flat[0]})",
             )
+        if lost.any():
+            bad = value[lost].flat[0]
+            raise invalid(
+                OverflowError,
+                f"{where}: expected dtype {to}, got {src} value {bad}, which {to} cannot "
+                f"hold (it would become {dst[lost].flat[0]})",
+            )
+
+
+@functools.cache
+def _saturation_limit(dtype: np.dtype) -> float | None:
+    """For a one-byte float type without inf (float4_e2m1fn, the float6 kinds:
+    a cast clamps to the largest value instead), the magnitude from which a
+    value no longer rounds to a finite one of the type (its largest plus half
+    a step, as rounding to nearest decides it); None for the others."""
+    if numeric_kind(dtype) != "f" or dtype.itemsize != 1:
+        return None
+    with np.errstate(all="ignore"):
+        if not np.isfinite(np.array(np.inf, np.float32).astype(dtype)):
+            return None  # inf (or nan) says so itself
+    largest = np.array(ml_dtypes.finfo(dtype).max, dtype)
+    below = (largest.view(np.uint8) - 1).view(dtype)  # the next value down
+    top, step = float(largest), float(largest) - float(below)
+    return top + step / 2
 
 
 @functools.lru_cache(maxsize=256)

@@ -15,7 +15,7 @@ from .._array import AsyncArray
 from .._leaves import fail_all_if_failed, one_source_a_leaf, specs_and_paths
 from .._runtime import paused_gc
 from .._source import Call
-from .._spec import numeric_kind, numpy_dtype, timeout_seconds
+from .._spec import canonical_dtype, numeric_kind, numpy_dtype, timeout_seconds
 from ._plan import Load
 from ._progress import progress_callback
 from ._read import read_job
@@ -316,7 +316,8 @@ def _float_dtype(dtype: Any) -> np.dtype | None:
             f"{NAME}: dtype must be a floating-point dtype (float32, bfloat16, float16, a "
             f"float8 kind...), got {dt}"
         )
-    return dt
+    # float64 with x64 off: JAX's own warning (or error), as for a like leaf.
+    return canonical_dtype(dt, NAME)
 
 
 class SafetensorsHeader(NamedTuple):

@@ -55,9 +55,13 @@ def checked_headers(value: Any, what: str) -> Headers:
             raise ValueError(f"{what}: {name!r} is not a valid header name")
         if name.lower() in _OWN:
             raise ValueError(f"{what}: {name!r} is set by the loader itself, for each request")
-        if any(c in text for c in "\r\n\0"):
-            # The value is never shown: it may be a token.
-            raise ValueError(f"{what}: the value of {name!r} holds a line break or NUL")
+        if not all(c == "\t" or " " <= c <= "~" for c in text):
+            # Visible ASCII, spaces and tabs only (RFC 9110 field values, as
+            # the HTTP client sends them). The value is never shown: it may be a token.
+            raise ValueError(
+                f"{what}: the value of {name!r} holds a character other than visible "
+                "ASCII, space or tab (a line break, NUL, control or non-ASCII character)"
+            )
         pairs.append((name, text))
     return pairs
 

@@ -41,6 +41,9 @@ def source_text(source: Any) -> str:
             f"{NAME}: source must be a path or a file://, http(s):// or hf:// URL, "
             f"got {type(source).__name__}"
         )
+    scheme, sep, rest = source.partition("://")
+    if sep and scheme.lower() != scheme and scheme.isalpha():
+        source = f"{scheme.lower()}://{rest}"  # schemes are case-insensitive (RFC 3986)
     if source.startswith(HF):
         parse_hf(source, NAME)  # refused at the call when it names no file
         return source
