@@ -64,25 +64,18 @@ def copy_checked(value: np.ndarray, dst: np.ndarray, where: str) -> None:
     if src != to and numeric_kind(to) not in "biu" and value.size:
         with np.errstate(all="ignore"):
             # A type without inf (float8_e4m3fn) turns what it cannot hold into nan.
-            grew = ~np.isfinite(dst) & np.isfinite(value)
+            checks = [(~np.isfinite(dst) & np.isfinite(value), f"beyond {to}'s range")]
             limit = _saturation_limit(to)
             if limit is not None:  # one without inf nor nan (float4) clamps it instead
-                grew |= np.isfinite(value) & (np.abs(value) >= limit)
-            lost = ~np.isfinite(value) & np.isfinite(dst)
-        if grew.any():
-            bad = value[grew].flat[0]
-            raise invalid(
-                OverflowError,
-                f"{where}: expected dtype {to}, got {src} value {bad} which is finite "
-                f"but beyond {to}'s range (it would become {dst[grew].flat[0]})",
-            )
-        if lost.any():
-            bad = value[lost].flat[0]
-            raise invalid(
-                OverflowError,
-                f"{where}: expected dtype {to}, got {src} value {bad}, which {to} cannot "
-                f"hold (it would become {dst[lost].flat[0]})",
-            )
+                checks[0] = (checks[0][0] | (np.abs(value) >= limit), checks[0][1])
+                checks.append((~np.isfinite(value), f"not a value {to} can hold"))
+        for bad, why in checks:
+            if bad.any():
+                raise invalid(
+                    OverflowError,
+                    f"{where}: expected dtype {to}, got {src} value {value[bad].flat[0]}, "
+                    f"{why} (it would become {dst[bad].flat[0]})",
+                )
 
 
 @functools.cache
